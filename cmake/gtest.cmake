@@ -1,0 +1,13 @@
+# GoogleTest: the installed one, or sources given by MEMSAVE_GTEST_SOURCE_DIR (a machine without the package,
+# such as the GPU machine, gets a copy of Debian's /usr/src/googletest that travels with the tree).
+if(NOT TARGET GTest::gtest_main)
+  if(MEMSAVE_GTEST_SOURCE_DIR)
+    set(INSTALL_GTEST OFF CACHE BOOL "" FORCE)
+    set(BUILD_GMOCK OFF CACHE BOOL "" FORCE)
+    add_subdirectory(${MEMSAVE_GTEST_SOURCE_DIR} ${PROJECT_BINARY_DIR}/googletest EXCLUDE_FROM_ALL)
+    add_library(GTest::gtest_main ALIAS gtest_main)
+  else()
+    find_package(GTest REQUIRED)
+  endif()
+  include(GoogleTest)
+endif()

@@ -1,0 +1,4 @@
+// memsave: fit LibTorch training in less memory. The umbrella header.
+#pragma once
+
+#include <memsave/memory.h>

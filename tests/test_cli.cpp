@@ -1,0 +1,115 @@
+// The memsave CLI as a user runs it: output, JSON, and exit codes for bad input and out-of-memory.
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <sys/wait.h>
+#include <array>
+#include <cstdio>
+#include <string>
+
+namespace {
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+Result invoke(const std::string& args, const char* stderr_to = "2>&1") {
+  const std::string command = std::string(MEMSAVE_CLI) + " " + args + " " + stderr_to;
+  Result result;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buffer;
+  size_t n = 0;
+  while ((n = fread(buffer.data(), 1, buffer.size(), pipe)) > 0) result.output.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  result.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+Result invoke_stdout(const std::string& args) { return invoke(args, "2>/dev/null"); }
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(Cli, ReportPrintsEveryStageAndTheRules) {
+  const Result r = invoke("report --model mlp --batch 4");
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const char* stage :
+       {"runtime ready", "input batch on the device", "model on the device", "forward under no-grad",
+        "forward + backward + optimizer step", "optimizer state", "gradients = parameter bytes", "holds"}) {
+    EXPECT_TRUE(contains(r.output, stage)) << stage << "\n" << r.output;
+  }
+}
+
+TEST(Cli, ReportJsonHasExactBytesThatAddUp) {
+  const Result r = invoke_stdout("report --model mlp --batch 4 --optimizer adamw --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const int64_t params = j["parameters"];
+  EXPECT_EQ(params, 784 * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 10 + 10);
+  const auto& b = j["breakdown"];
+  EXPECT_EQ(b["parameters"].get<int64_t>(), 4 * params);
+  EXPECT_EQ(b["gradients"].get<int64_t>(), 4 * params);
+  EXPECT_EQ(b["optimizer_state"].get<int64_t>(), 8 * params);
+  EXPECT_EQ(b["parameters"].get<int64_t>() + b["gradients"].get<int64_t>() +
+                b["optimizer_state"].get<int64_t>() + b["other"].get<int64_t>(),
+            b["total"].get<int64_t>());
+  ASSERT_EQ(j["rows"].size(), 5u);
+  EXPECT_EQ(j["rows"][1]["change"].get<int64_t>(), 4 * 784 * 4 + 4 * 8);  // float inputs and int64 labels
+  EXPECT_EQ(j["rows"][2]["change"].get<int64_t>(), 4 * params);
+  EXPECT_EQ(j["rows"][4]["change"].get<int64_t>(), 4 * params + 8 * params);  // gradients and Adam state stay
+  EXPECT_EQ(j["rows"][4]["peak"].get<int64_t>(), j["training_peak"].get<int64_t>());
+}
+
+TEST(Cli, UnknownModelListsTheValidOnesWithExitCode2) {
+  const Result r = invoke("report --model resnet19");
+  EXPECT_EQ(r.code, 2) << r.output;
+  for (const char* name : {"mlp", "resnet18", "resnet50", "gpt-tiny", "gpt2-small", "fashion-cnn"}) {
+    EXPECT_TRUE(contains(r.output, name)) << r.output;
+  }
+}
+
+TEST(Cli, BadOptionsExitWith2) {
+  EXPECT_EQ(invoke("report --bogus").code, 2);
+  EXPECT_EQ(invoke("report --optimizer lamb").code, 2);
+  EXPECT_EQ(invoke("report --batch -3").code, 2);
+  EXPECT_EQ(invoke("report --batch 0").code, 2);
+  EXPECT_EQ(invoke("frobnicate").code, 2);
+  EXPECT_EQ(invoke("").code, 2);
+  EXPECT_EQ(invoke("--help").code, 0);
+}
+
+TEST(Cli, MalformedBudgetsAreParsedOrRejectedClearly) {
+  const Result ambiguous = invoke("report --model mlp --budget 12G");
+  EXPECT_EQ(ambiguous.code, 2);
+  EXPECT_TRUE(contains(ambiguous.output, "ambiguous")) << ambiguous.output;
+  const Result negative = invoke("report --model mlp --budget -3");
+  EXPECT_EQ(negative.code, 2) << negative.output;
+  const Result zero = invoke("report --model mlp --budget 0");
+  EXPECT_EQ(zero.code, 2) << zero.output;
+  EXPECT_EQ(invoke("report --model mlp --batch 2 --budget 1.5GB").code, 0);
+  EXPECT_EQ(invoke("report --model mlp --batch 2 --budget 300MiB").code, 0);
+}
+
+TEST(Cli, ABudgetTooSmallIsAnOutOfMemoryWithExitCode3) {
+  const Result r = invoke("report --model mlp --batch 4 --budget 12MiB");
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_TRUE(contains(r.output, "out of memory during 'model on the device'")) << r.output;
+  EXPECT_TRUE(contains(r.output, "budget of 12.00 MiB (12582912 bytes)")) << r.output;
+  const Result j = invoke_stdout("report --model mlp --batch 4 --budget 12MiB --json");
+  EXPECT_EQ(j.code, 3);
+  const auto parsed = nlohmann::json::parse(j.output);
+  EXPECT_EQ(parsed["error"]["kind"], "out of memory");
+  EXPECT_EQ(parsed["rows"].size(), 2u);
+}
+
+TEST(Cli, CudaWithoutADeviceIsBadInput) {
+  const Result r = invoke("report --model mlp --device cuda");
+  if (r.code == 0) GTEST_SKIP() << "a CUDA device is present";
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "no CUDA device")) << r.output;
+}
+
+}  // namespace
