@@ -32,7 +32,11 @@ std::string pad(const std::string& s, size_t width, bool left_align) {
   return left_align ? s + std::string(width - s.size(), ' ') : std::string(width - s.size(), ' ') + s;
 }
 
-std::string signed_bytes(int64_t bytes) { return (bytes >= 0 ? "+" : "") + format_bytes(bytes); }
+std::string signed_bytes(int64_t bytes) {
+  std::string text = format_bytes(bytes);
+  if (bytes >= 0) text.insert(0, 1, '+');
+  return text;
+}
 
 }  // namespace
 
