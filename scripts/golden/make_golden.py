@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Golden values for memsave's tests, computed by the reference implementations (bitsandbytes, PyTorch).
+
+Run from the repository root with the project's environment:
+    .venv/bin/pip install bitsandbytes && .venv/bin/python scripts/golden/make_golden.py
+It rewrites tests/data/golden.txt: one record a line, "name v1 v2 ...", floats in hexadecimal (exact).
+The tests read that file; they never run Python.
+"""
+import sys
+
+import torch
+
+N = 256       # elements of the optimizer trajectories
+STEPS = 100   # steps of each trajectory
+RECORDED = (1, 10, 100)
+
+
+def hexes(t):
+    return " ".join(float(x).hex() for x in t.reshape(-1).tolist())
+
+
+def initial_params():
+    i = torch.arange(N)
+    return ((i * 31) % 101 - 50).float() / 50
+
+
+def gradient(step):
+    """Exactly reproducible in float32 anywhere: integer pattern / 1000 times a per-element power of ten."""
+    i = torch.arange(N)
+    ints = ((i * 7919 + step * 104729) % 2001 - 1000).float()
+    scale = torch.tensor([1.0, 0.1, 0.01, 0.001, 0.0001], dtype=torch.float32)[i % 5]
+    return ints / 1000 * scale
+
+
+OPTIMIZERS = {
+    "adam": lambda p: torch.optim.Adam([p], lr=1e-2, betas=(0.9, 0.999), eps=1e-8, foreach=False),
+    "adam_l2": lambda p: torch.optim.Adam([p], lr=1e-2, weight_decay=0.01, foreach=False),
+    "adamw": lambda p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.01, foreach=False),
+    "sgd_momentum": lambda p: torch.optim.SGD([p], lr=0.05, momentum=0.9, weight_decay=1e-3, foreach=False),
+    "sgd_nesterov": lambda p: torch.optim.SGD([p], lr=0.05, momentum=0.9, nesterov=True, foreach=False),
+}
+
+
+def main():
+    import bitsandbytes.functional as F
+
+    lines = [f"# made by scripts/golden/make_golden.py: torch {torch.__version__}, "
+             f"bitsandbytes {sys.modules['bitsandbytes'].__version__}"]
+    lines.append("codebook.signed " + hexes(F.create_dynamic_map(signed=True)))
+    lines.append("codebook.unsigned " + hexes(F.create_dynamic_map(signed=False)))
+    lines.append("trajectory.initial " + hexes(initial_params()))
+    for name, make in OPTIMIZERS.items():
+        p = torch.nn.Parameter(initial_params())
+        opt = make(p)
+        for step in range(1, STEPS + 1):
+            p.grad = gradient(step)
+            opt.step()
+            if step in RECORDED:
+                lines.append(f"{name}.params.{step} " + hexes(p.detach()))
+        state = opt.state[p]
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if key in state:
+                lines.append(f"{name}.{key}.{STEPS} " + hexes(state[key]))
+    with open("tests/data/golden.txt", "w") as out:
+        out.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
