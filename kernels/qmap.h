@@ -34,6 +34,7 @@ struct CodeBook {
                                 ///< [255]: +inf
   std::uint8_t tie_up[kCodes];  ///< [i]: 1 when that midpoint is a float and its tie goes to code[i+1]
   std::uint8_t lut[kLutSize];   ///< lowest code of each cell of (sign, exponent slot, top mantissa bits)
+  std::uint8_t padding[3];      ///< lets vector code read lut and tie_up as 32-bit words at any byte offset
 };
 
 MEMSAVE_HD std::uint32_t float_bits(float x) {

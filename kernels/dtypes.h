@@ -1,0 +1,92 @@
+// Storage types of parameters and gradients, and their exact conversions to and from float (round to nearest
+// even), the same on the host and on the device.
+#pragma once
+
+#include "host_device.h"
+
+#include <cstdint>
+#include <cstring>
+
+namespace memsave::kernels {
+
+enum class DType : std::int32_t { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+struct BFloat16 {
+  std::uint16_t bits;
+};
+struct Float16 {
+  std::uint16_t bits;
+};
+
+MEMSAVE_HD float bits_to_float(std::uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+#endif
+}
+
+MEMSAVE_HD std::uint32_t to_bits(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  std::uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+#endif
+}
+
+MEMSAVE_HD float to_float(float x) { return x; }
+MEMSAVE_HD float to_float(BFloat16 x) { return bits_to_float(static_cast<std::uint32_t>(x.bits) << 16); }
+
+MEMSAVE_HD float to_float(Float16 x) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(x.bits & 0x8000u) << 16;
+  const std::uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  const std::uint32_t mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  // zero and subnormals: mantissa * 2^-24, exact in float
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+  return bits_to_float(sign | to_bits(magnitude));
+}
+
+template <typename T>
+MEMSAVE_HD T from_float(float x);
+
+template <>
+MEMSAVE_HD float from_float<float>(float x) {
+  return x;
+}
+
+template <>
+MEMSAVE_HD BFloat16 from_float<BFloat16>(float x) {
+  const std::uint32_t bits = to_bits(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<std::uint16_t>((bits >> 16) | 0x40u)};
+  const std::uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
+  return BFloat16{static_cast<std::uint16_t>((bits + rounding) >> 16)};
+}
+
+template <>
+MEMSAVE_HD Float16 from_float<Float16>(float x) {
+  const std::uint32_t bits = to_bits(x);
+  const std::uint16_t sign = static_cast<std::uint16_t>((bits >> 16) & 0x8000u);
+  const std::uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return Float16{static_cast<std::uint16_t>(sign | 0x7e00u)};   // NaN
+  if (magnitude >= 0x477ff000u) return Float16{static_cast<std::uint16_t>(sign | 0x7c00u)};  // rounds to inf
+  if (magnitude < 0x38800000u) {
+    // subnormal or zero in half: round magnitude * 2^24 to an integer, ties to even (exact in float
+    // arithmetic)
+    const float scaled = bits_to_float(magnitude) * 16777216.0f;
+    const float floor_value = static_cast<float>(static_cast<std::uint32_t>(scaled));
+    const float rest = scaled - floor_value;
+    std::uint32_t m = static_cast<std::uint32_t>(floor_value);
+    m += (rest > 0.5f || (rest == 0.5f && (m & 1u))) ? 1u : 0u;
+    return Float16{static_cast<std::uint16_t>(sign | m)};
+  }
+  const std::uint32_t rounding = 0xfffu + ((magnitude >> 13) & 1u);
+  return Float16{static_cast<std::uint16_t>(sign | ((magnitude - 0x38000000u + rounding) >> 13))};
+}
+
+}  // namespace memsave::kernels

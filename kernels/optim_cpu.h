@@ -1,0 +1,53 @@
+// Fused optimizer steps on the CPU: one pass over memory, single-threaded over a range (the caller splits the
+// work across threads), vectorized by the compiler for the best instruction set the processor has.
+#pragma once
+
+#include "dtypes.h"
+#include "update_math.h"
+
+#include <cstdint>
+
+namespace memsave::kernels {
+
+/// One tensor's step with fp32 state.
+struct Step32 {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  DType dtype = DType::kFloat32;  ///< of param and grad
+  float* m = nullptr;             ///< first moment (SGD: momentum buffer)
+  float* v = nullptr;             ///< second moment, Adam rules only
+  std::int64_t numel = 0;
+  Rule rule = Rule::kAdamW;
+  StepScalars scalars;
+  float grad_scale = 1;  ///< the gradient is multiplied by this first (a GradScaler's 1/scale)
+};
+
+/// One tensor's step with blockwise 8-bit state: codes of the signed book for m, of the unsigned book for v,
+/// one float absmax per block of each.
+struct Step8 {
+  void* param = nullptr;
+  const void* grad = nullptr;
+  DType dtype = DType::kFloat32;
+  std::uint8_t* m = nullptr;
+  std::uint8_t* v = nullptr;  ///< Adam rules only
+  float* absmax_m = nullptr;  ///< one per block
+  float* absmax_v = nullptr;
+  std::int64_t numel = 0;
+  std::int64_t block_size = 256;  ///< a power of two in [64, 4096]
+  Rule rule = Rule::kAdamW;
+  StepScalars scalars;
+  float grad_scale = 1;
+};
+
+inline constexpr std::int64_t kMinBlock = 64;
+inline constexpr std::int64_t kMaxBlock = 4096;
+
+/// Updates elements [begin, end).
+void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end);
+/// Updates blocks [block_begin, block_end): dequantize, update, new block absmax, requantize, in one pass.
+void step8_cpu(const Step8& step, std::int64_t block_begin, std::int64_t block_end);
+
+/// The instruction set the CPU kernels run with here: "avx512", "avx2" or "baseline".
+const char* cpu_kernel_isa();
+
+}  // namespace memsave::kernels

@@ -1,0 +1,208 @@
+// The CPU kernels' bodies, compiled once per instruction set (optim_cpu_*.cpp) and chosen at run time.
+// NOTE: include only from those files, with MEMSAVE_CPU_ISA naming the namespace.
+#pragma once
+
+#include "optim_cpu.h"
+#include "qmap.h"
+
+#include <algorithm>
+#include <cmath>
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace memsave::kernels::MEMSAVE_CPU_ISA {
+
+template <typename T, Rule R>
+void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
+  T* __restrict param = static_cast<T*>(s.param);
+  const T* __restrict grad = static_cast<const T*>(s.grad);
+  float* __restrict m = s.m;
+  float* __restrict v = s.v;
+  const StepScalars k = s.scalars;
+  const float scale = s.grad_scale;
+  float unused_v = 0;
+  for (std::int64_t i = begin; i < end; ++i) {
+    float p = to_float(param[i]);
+    float mi = m[i];
+    float& vi = has_second_moment(R) ? v[i] : unused_v;
+    update<R>(p, to_float(grad[i]) * scale, mi, vi, k);
+    param[i] = from_float<T>(p);
+    m[i] = mi;
+  }
+}
+
+/// codes -> values * absmax for n codes.
+inline void dequantize_run(const CodeBook& book, const std::uint8_t* __restrict codes, float absmax,
+                           float* __restrict out, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(absmax);
+  for (; i + 16 <= n; i += 16) {
+    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(index, book.code, 4), scale));
+  }
+#elif defined(__AVX2__)
+  const __m256 scale = _mm256_set1_ps(absmax);
+  for (; i + 8 <= n; i += 8) {
+    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(book.code, index, 4), scale));
+  }
+#endif
+  for (; i < n; ++i) out[i] = dequantize(book, codes[i]) * absmax;
+}
+
+/// values / divisor -> nearest codes for n values: `quantize` of qmap.h, lane by lane.
+inline void quantize_run(const CodeBook& book, const float* __restrict values, float divisor,
+                         std::uint8_t* __restrict codes, std::int64_t n) {
+  std::int64_t i = 0;
+  // NOTE: the byte tables are read as 32-bit words at byte offsets and masked; CodeBook pads `lut` for that.
+  const int* lut = reinterpret_cast<const int*>(book.lut);
+  const int* tie = reinterpret_cast<const int*>(book.tie_up);
+#if defined(__AVX512F__)
+  const __m512 div = _mm512_set1_ps(divisor);
+  const __m512i byte = _mm512_set1_epi32(0xff),
+                top = _mm512_set1_epi32(kLutLowestExponent + kLutExponentSlots - 1);
+  const __m512i lowest = _mm512_set1_epi32(kLutLowestExponent),
+                full = _mm512_set1_epi32((1 << kLutMantissaBits) - 1);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(values + i), div);
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i sign = _mm512_srli_epi32(bits, 31);
+    __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 23), byte);
+    __m512i mantissa = _mm512_and_si512(_mm512_srli_epi32(bits, 23 - kLutMantissaBits), full);
+    mantissa = _mm512_mask_mov_epi32(mantissa, _mm512_cmpgt_epi32_mask(exponent, top), full);
+    exponent = _mm512_min_epi32(_mm512_max_epi32(exponent, lowest), top);
+    const __m512i slot = _mm512_add_epi32(_mm512_mullo_epi32(sign, _mm512_set1_epi32(kLutExponentSlots)),
+                                          _mm512_sub_epi32(exponent, lowest));
+    const __m512i cell = _mm512_or_si512(_mm512_slli_epi32(slot, kLutMantissaBits), mantissa);
+    const __m512i low = _mm512_and_si512(_mm512_i32gather_epi32(cell, lut, 1), byte);
+    const __m512 t = _mm512_i32gather_ps(low, book.threshold, 4);
+    const __m512i tie_up = _mm512_and_si512(_mm512_i32gather_epi32(low, tie, 1), byte);
+    const __mmask16 up = _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ) |
+                         (_mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ) & _mm512_test_epi32_mask(tie_up, tie_up));
+    const __m512i code = _mm512_mask_add_epi32(low, up, low, _mm512_set1_epi32(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
+  }
+#elif defined(__AVX2__)
+  const __m256 div = _mm256_set1_ps(divisor);
+  const __m256i byte = _mm256_set1_epi32(0xff),
+                top = _mm256_set1_epi32(kLutLowestExponent + kLutExponentSlots - 1);
+  const __m256i lowest = _mm256_set1_epi32(kLutLowestExponent),
+                full = _mm256_set1_epi32((1 << kLutMantissaBits) - 1);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(values + i), div);
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i sign = _mm256_srli_epi32(bits, 31);
+    __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(bits, 23), byte);
+    __m256i mantissa = _mm256_and_si256(_mm256_srli_epi32(bits, 23 - kLutMantissaBits), full);
+    mantissa = _mm256_blendv_epi8(mantissa, full, _mm256_cmpgt_epi32(exponent, top));
+    exponent = _mm256_min_epi32(_mm256_max_epi32(exponent, lowest), top);
+    const __m256i slot = _mm256_add_epi32(_mm256_mullo_epi32(sign, _mm256_set1_epi32(kLutExponentSlots)),
+                                          _mm256_sub_epi32(exponent, lowest));
+    const __m256i cell = _mm256_or_si256(_mm256_slli_epi32(slot, kLutMantissaBits), mantissa);
+    const __m256i low = _mm256_and_si256(_mm256_i32gather_epi32(lut, cell, 1), byte);
+    const __m256 t = _mm256_i32gather_ps(book.threshold, low, 4);
+    const __m256i tie_up = _mm256_and_si256(_mm256_i32gather_epi32(tie, low, 1), byte);
+    const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_GT_OQ));
+    const __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_EQ_OQ));
+    const __m256i up =
+        _mm256_or_si256(gt, _mm256_and_si256(eq, _mm256_cmpeq_epi32(tie_up, _mm256_set1_epi32(1))));
+    const __m256i code = _mm256_sub_epi32(low, up);  // up lanes are -1
+    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
+  }
+#endif
+  for (; i < n; ++i) codes[i] = quantize(book, values[i] / divisor);
+}
+
+/// The largest magnitude of n values; NaN when any is NaN. Exact and order-free: it compares IEEE bit
+/// patterns, which order non-negative floats as numbers and put NaN above infinity.
+inline float absmax_run(const float* __restrict values, std::int64_t n) {
+  std::uint32_t largest = 0;
+  for (std::int64_t i = 0; i < n; ++i) largest = std::max(largest, to_bits(values[i]) & 0x7fffffffu);
+  return bits_to_float(largest);
+}
+
+/// One block: dequantize, update, new block absmax, requantize; the block's floats stay in L1.
+template <typename T, Rule R>
+inline void step8_block(const Step8& s, std::int64_t block, float* __restrict m, float* __restrict v) {
+  constexpr bool kSecond = has_second_moment(R);
+  const std::int64_t offset = block * s.block_size;
+  const std::int64_t n = std::min(s.block_size, s.numel - offset);
+  T* __restrict param = static_cast<T*>(s.param) + offset;
+  const T* __restrict grad = static_cast<const T*>(s.grad) + offset;
+  const CodeBook& sb = signed_code_book();
+  const CodeBook& ub = unsigned_code_book();
+  const StepScalars k = s.scalars;
+  const float scale = s.grad_scale;
+
+  dequantize_run(sb, s.m + offset, s.absmax_m[block], m, n);
+  if constexpr (kSecond) dequantize_run(ub, s.v + offset, s.absmax_v[block], v, n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    float p = to_float(param[i]);
+    float unused = 0;
+    update<R>(p, to_float(grad[i]) * scale, m[i], kSecond ? v[i] : unused, k);
+    param[i] = from_float<T>(p);
+  }
+  const float max_m = absmax_run(m, n);
+  s.absmax_m[block] = max_m;
+  quantize_run(sb, m, max_m > 0.0f ? max_m : 1.0f, s.m + offset, n);
+  if constexpr (kSecond) {
+    const float max_v = absmax_run(v, n);
+    s.absmax_v[block] = max_v;
+    quantize_run(ub, v, max_v > 0.0f ? max_v : 1.0f, s.v + offset, n);
+  }
+}
+
+template <typename T, Rule R>
+void step8_range(const Step8& s, std::int64_t block_begin, std::int64_t block_end) {
+  alignas(64) float m[kMaxBlock];
+  alignas(64) float v[kMaxBlock];
+  for (std::int64_t b = block_begin; b < block_end; ++b) step8_block<T, R>(s, b, m, v);
+}
+
+template <template <typename, Rule> class Kernel, typename T, typename Step>
+void dispatch_rule(const Step& s, std::int64_t begin, std::int64_t end) {
+  switch (s.rule) {
+    case Rule::kAdam:
+      return Kernel<T, Rule::kAdam>::run(s, begin, end);
+    case Rule::kAdamW:
+      return Kernel<T, Rule::kAdamW>::run(s, begin, end);
+    case Rule::kLion:
+      return Kernel<T, Rule::kLion>::run(s, begin, end);
+    case Rule::kSgd:
+      return Kernel<T, Rule::kSgd>::run(s, begin, end);
+  }
+}
+
+template <typename T, Rule R>
+struct Step32Kernel {
+  static void run(const Step32& s, std::int64_t begin, std::int64_t end) {
+    step32_range<T, R>(s, begin, end);
+  }
+};
+
+template <typename T, Rule R>
+struct Step8Kernel {
+  static void run(const Step8& s, std::int64_t begin, std::int64_t end) { step8_range<T, R>(s, begin, end); }
+};
+
+/// Calls Kernel<T, R>::run for the storage type and rule: the one list of instantiations.
+template <template <typename, Rule> class Kernel, typename Step>
+void dispatch(const Step& s, std::int64_t begin, std::int64_t end) {
+  switch (s.dtype) {
+    case DType::kFloat32:
+      return dispatch_rule<Kernel, float>(s, begin, end);
+    case DType::kBFloat16:
+      return dispatch_rule<Kernel, BFloat16>(s, begin, end);
+    case DType::kFloat16:
+      return dispatch_rule<Kernel, Float16>(s, begin, end);
+  }
+}
+
+void step32(const Step32& s, std::int64_t begin, std::int64_t end) { dispatch<Step32Kernel>(s, begin, end); }
+void step8(const Step8& s, std::int64_t begin, std::int64_t end) { dispatch<Step8Kernel>(s, begin, end); }
+
+}  // namespace memsave::kernels::MEMSAVE_CPU_ISA

@@ -1,0 +1,98 @@
+// Per-element optimizer updates, written once for the CPU and the CUDA kernels.
+//
+// The order of float operations follows PyTorch's single-tensor optimizers (torch.optim.Adam, AdamW and SGD)
+// as its vectorized CPU kernels compute them, fused multiply-adds included (lerp, add with alpha, addcmul),
+// so the fp32-state path tracks them to rounding. The fused multiply-adds are explicit (fmaf); everything
+// else is built with contraction off (-ffp-contract=off, nvcc --fmad=false) and IEEE division and square
+// root, so a CPU step and a CUDA step give bit-identical results.
+#pragma once
+
+#include "host_device.h"
+
+#include <cmath>
+#include <cstdint>
+
+namespace memsave::kernels {
+
+enum class Rule : std::int32_t {
+  kAdam = 0,   ///< Adam with L2 weight decay added to the gradient (torch.optim.Adam)
+  kAdamW = 1,  ///< Adam with decoupled weight decay (torch.optim.AdamW)
+  kLion = 2,   ///< Lion (Chen et al., 2023) with decoupled weight decay
+  kSgd = 3,    ///< SGD with momentum, dampening, Nesterov and L2 weight decay (torch.optim.SGD)
+};
+
+/// Everything an update needs besides the tensors: computed once per group and step on the host, in double,
+/// then rounded to float once.
+struct StepScalars {
+  float lr = 0;
+  float beta1 = 0;            ///< Adam, Lion: beta1; SGD: momentum
+  float beta2 = 0;            ///< Adam, Lion: beta2
+  float one_minus_beta1 = 0;  ///< Adam, Lion: 1 - beta1; SGD: 1 - dampening
+  float one_minus_beta2 = 0;
+  float eps = 0;
+  float weight_decay = 0;       ///< L2 coefficient (Adam, SGD)
+  float decay = 1;              ///< decoupled factor 1 - lr * weight_decay (AdamW, Lion)
+  float neg_step_size = 0;      ///< Adam: -lr / (1 - beta1^t); SGD and Lion: -lr
+  float bias2_sqrt = 1;         ///< Adam: sqrt(1 - beta2^t)
+  std::int32_t nesterov = 0;    ///< SGD
+  std::int32_t first_step = 0;  ///< SGD: the momentum buffer starts as the gradient
+};
+
+/// Computes the scalars of one step (t >= 1).
+inline StepScalars make_step_scalars(Rule rule, double lr, double beta1, double beta2, double eps,
+                                     double weight_decay, std::int64_t t, bool nesterov = false,
+                                     double dampening = 0) {
+  StepScalars s;
+  s.lr = static_cast<float>(lr);
+  s.beta1 = static_cast<float>(beta1);
+  s.beta2 = static_cast<float>(beta2);
+  s.one_minus_beta1 = static_cast<float>(rule == Rule::kSgd ? 1 - dampening : 1 - beta1);
+  s.one_minus_beta2 = static_cast<float>(1 - beta2);
+  s.eps = static_cast<float>(eps);
+  s.weight_decay = static_cast<float>(weight_decay);
+  s.decay = static_cast<float>(1 - lr * weight_decay);
+  if (rule == Rule::kAdam || rule == Rule::kAdamW) {
+    const double bias1 = 1 - std::pow(beta1, static_cast<double>(t));
+    const double bias2 = 1 - std::pow(beta2, static_cast<double>(t));
+    s.neg_step_size = static_cast<float>(-(lr / bias1));
+    s.bias2_sqrt = static_cast<float>(std::sqrt(bias2));
+  } else {
+    s.neg_step_size = static_cast<float>(-lr);
+  }
+  s.nesterov = nesterov ? 1 : 0;
+  s.first_step = t == 1 ? 1 : 0;
+  return s;
+}
+
+/// One element: parameter p, gradient g (already unscaled), first moment m, second moment v (Adam only).
+template <Rule R>
+MEMSAVE_HD void update(float& p, float g, float& m, float& v, const StepScalars& s) {
+  if constexpr (R == Rule::kAdam || R == Rule::kAdamW) {
+    if constexpr (R == Rule::kAdamW) {
+      p = p * s.decay;  // param.mul_(1 - lr * weight_decay)
+    } else {
+      g = fmaf(p, s.weight_decay, g);  // grad.add(param, alpha=weight_decay)
+    }
+    m = fmaf(s.one_minus_beta1, g - m, m);  // exp_avg.lerp_(grad, 1 - beta1)
+    v = fmaf(s.one_minus_beta2 * g, g,
+             v * s.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
+    const float denom = sqrtf(v) / s.bias2_sqrt + s.eps;
+    p = p + (s.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
+  } else if constexpr (R == Rule::kLion) {
+    p = p * s.decay;
+    const float c = fmaf(s.one_minus_beta1, g - m, m);  // lerp(m, g, 1 - beta1)
+    const float direction = c > 0.0f ? 1.0f : (c < 0.0f ? -1.0f : 0.0f);
+    p = fmaf(direction, s.neg_step_size, p);
+    m = fmaf(s.one_minus_beta2, g - m, m);  // lerp(m, g, 1 - beta2)
+  } else {
+    g = fmaf(p, s.weight_decay, g);                                  // grad.add(param, alpha=weight_decay)
+    m = s.first_step ? g : fmaf(g, s.one_minus_beta1, m * s.beta1);  // buf.mul_(momentum).add_(grad, 1 - d)
+    const float d = s.nesterov ? fmaf(m, s.beta1, g) : m;            // grad.add(buf, alpha=momentum)
+    p = fmaf(d, s.neg_step_size, p);                                 // param.add_(grad, alpha=-lr)
+  }
+}
+
+/// Whether a rule keeps a second moment.
+constexpr bool has_second_moment(Rule rule) { return rule == Rule::kAdam || rule == Rule::kAdamW; }
+
+}  // namespace memsave::kernels
