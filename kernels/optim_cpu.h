@@ -39,9 +39,6 @@ struct Step8 {
   float grad_scale = 1;
 };
 
-inline constexpr std::int64_t kMinBlock = 64;
-inline constexpr std::int64_t kMaxBlock = 4096;
-
 /// Updates elements [begin, end).
 void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end);
 /// Updates blocks [block_begin, block_end): dequantize, update, new block absmax, requantize, in one pass.

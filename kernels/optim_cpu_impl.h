@@ -57,9 +57,11 @@ inline void dequantize_run(const CodeBook& book, const std::uint8_t* __restrict 
 inline void quantize_run(const CodeBook& book, const float* __restrict values, float divisor,
                          std::uint8_t* __restrict codes, std::int64_t n) {
   std::int64_t i = 0;
+#if defined(__AVX2__) || defined(__AVX512F__)
   // NOTE: the byte tables are read as 32-bit words at byte offsets and masked; CodeBook pads `lut` for that.
   const int* lut = reinterpret_cast<const int*>(book.lut);
   const int* tie = reinterpret_cast<const int*>(book.tie_up);
+#endif
 #if defined(__AVX512F__)
   const __m512 div = _mm512_set1_ps(divisor);
   const __m512i byte = _mm512_set1_epi32(0xff),

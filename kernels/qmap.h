@@ -87,6 +87,10 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes);
 const CodeBook& signed_code_book();
 const CodeBook& unsigned_code_book();
 
+/// Elements per quantization block (one absmax each): a power of two in [kMinBlock, kMaxBlock].
+inline constexpr std::int64_t kMinBlock = 64;
+inline constexpr std::int64_t kMaxBlock = 4096;
+
 /// Version of the code books and block layout, recorded in saved optimizer state.
 inline constexpr std::int64_t kCodeBookVersion = 1;
 

@@ -2,3 +2,4 @@
 #pragma once
 
 #include <memsave/memory.h>
+#include <memsave/optim.h>

@@ -1,0 +1,225 @@
+// Optimizers with 8-bit state: Adam8bit, AdamW8bit, Lion8bit and SGD8bit.
+//
+//   memsave::optim::AdamW8bit opt(net->parameters(),
+//   memsave::optim::AdamW8bitOptions(1e-3).weight_decay(0.01));
+//   ... loss.backward(); opt.step();
+//
+// They derive from torch::optim::Optimizer and drop into any LibTorch loop. Each moment is stored as one byte
+// per element (dynamic-exponent code books, blockwise absmax scaling) and updated by one fused pass per
+// block: dequantize, update, new block absmax, requantize. Adam keeps about 2 bytes of state per parameter
+// instead of 8. Tensors under `min_8bit_size` elements keep fp32 state, as does any parameter passed to
+// `force_32bit`.
+#pragma once
+
+#include <memsave/memory.h>
+
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <cstdint>
+#include <tuple>
+#include <unordered_set>
+#include <vector>
+
+namespace memsave::optim {
+
+using betas_t = std::tuple<double, double>;
+
+struct Adam8bitOptions : torch::optim::OptimizerCloneableOptions<Adam8bitOptions> {
+  Adam8bitOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT: implicit, as LibTorch's options
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Coefficients of the running averages of the gradient and of its square.
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator.
+  TORCH_ARG(double, eps) = 1e-8;
+  /// L2 penalty added to the gradient.
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 256;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_8bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const Adam8bitOptions& a, const Adam8bitOptions& b);
+};
+
+struct AdamW8bitOptions : torch::optim::OptimizerCloneableOptions<AdamW8bitOptions> {
+  AdamW8bitOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Coefficients of the running averages of the gradient and of its square.
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator.
+  TORCH_ARG(double, eps) = 1e-8;
+  /// Decoupled weight decay: each step multiplies the parameters by 1 - lr * weight_decay.
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 256;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_8bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const AdamW8bitOptions& a, const AdamW8bitOptions& b);
+};
+
+struct Lion8bitOptions : torch::optim::OptimizerCloneableOptions<Lion8bitOptions> {
+  Lion8bitOptions(double lr = 1e-4) : lr_(lr) {}  // NOLINT
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-4;
+  /// Interpolation of the update direction (beta1) and of the running average (beta2).
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.99);
+  /// Decoupled weight decay.
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 256;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_8bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const Lion8bitOptions& a, const Lion8bitOptions& b);
+};
+
+struct SGD8bitOptions : torch::optim::OptimizerCloneableOptions<SGD8bitOptions> {
+  SGD8bitOptions(double lr) : lr_(lr) {}  // NOLINT
+  /// Learning rate.
+  TORCH_ARG(double, lr);
+  /// Momentum factor, > 0 (without momentum SGD keeps no state: use torch::optim::SGD).
+  TORCH_ARG(double, momentum) = 0.9;
+  /// Dampening of the momentum.
+  TORCH_ARG(double, dampening) = 0;
+  /// L2 penalty added to the gradient.
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Nesterov momentum (needs zero dampening).
+  TORCH_ARG(bool, nesterov) = false;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 256;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_8bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const SGD8bitOptions& a, const SGD8bitOptions& b);
+};
+
+/// One parameter's state: 8-bit codes with one absmax per block, or fp32 tensors (block_size 0).
+struct QuantizedParamState : torch::optim::OptimizerCloneableParamState<QuantizedParamState> {
+  /// Steps taken.
+  TORCH_ARG(int64_t, step) = 0;
+  /// First moment (SGD: momentum buffer): uint8 codes of the signed book, or float32.
+  TORCH_ARG(torch::Tensor, m);
+  /// Second moment (Adam rules): uint8 codes of the unsigned book, or float32; undefined otherwise.
+  TORCH_ARG(torch::Tensor, v);
+  /// float32, one per block of `m` (8-bit state only).
+  TORCH_ARG(torch::Tensor, absmax_m);
+  /// float32, one per block of `v` (8-bit state only).
+  TORCH_ARG(torch::Tensor, absmax_v);
+  /// Elements per block; 0 for fp32 state.
+  TORCH_ARG(int64_t, block_size) = 0;
+
+ public:
+  bool quantized() const { return block_size() > 0; }
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  friend bool operator==(const QuantizedParamState& a, const QuantizedParamState& b);
+};
+
+/// What the four optimizers share: state, the fused step, save and load. Use one of the four classes below.
+class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
+ public:
+  /// NOTE: copying would duplicate or alias the optimizer state; move the optimizer or hold it by pointer.
+  LowBitOptimizer(const LowBitOptimizer&) = delete;
+  LowBitOptimizer& operator=(const LowBitOptimizer&) = delete;
+
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Loads what `save` wrote. A file from another optimizer, with other shapes or block sizes, or corrupt, is
+  /// an error that leaves this optimizer unchanged.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// Keeps `param`'s state in fp32 whatever its size; converts existing 8-bit state.
+  void force_32bit(const torch::Tensor& param);
+  /// `param`'s state as fp32 tensors of its shape: {m} or {m, v}; empty before its first step.
+  std::vector<torch::Tensor> state_fp32(const torch::Tensor& param) const;
+  /// Every state tensor (codes, absmaxes, fp32 moments), for the memory meter.
+  std::vector<torch::Tensor> state_tensors() const override;
+
+ protected:
+  /// One group's hyper-parameters in a common form.
+  struct Hyper {
+    double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, dampening = 0;
+    bool nesterov = false;
+    int64_t block_size = 256, min_8bit_size = 4096;
+  };
+  enum class Kind : int32_t { kAdam = 0, kAdamW = 1, kLion = 2, kSgd = 3 };
+
+  LowBitOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                  std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind);
+  virtual Hyper hyper(const torch::optim::OptimizerOptions& options) const = 0;
+  /// Checks a group's hyper-parameters (constructor and every step), naming the bad one.
+  static void check(const Hyper& h, Kind kind);
+
+ private:
+  Kind kind_;
+  std::unordered_set<const void*> forced_32bit_;
+};
+
+class Adam8bit : public LowBitOptimizer {
+ public:
+  explicit Adam8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                    Adam8bitOptions defaults = {});
+  explicit Adam8bit(std::vector<torch::Tensor> params, Adam8bitOptions defaults = {})
+      : Adam8bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
+class AdamW8bit : public LowBitOptimizer {
+ public:
+  explicit AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                     AdamW8bitOptions defaults = {});
+  explicit AdamW8bit(std::vector<torch::Tensor> params, AdamW8bitOptions defaults = {})
+      : AdamW8bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
+class Lion8bit : public LowBitOptimizer {
+ public:
+  explicit Lion8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                    Lion8bitOptions defaults = {});
+  explicit Lion8bit(std::vector<torch::Tensor> params, Lion8bitOptions defaults = {})
+      : Lion8bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
+class SGD8bit : public LowBitOptimizer {
+ public:
+  explicit SGD8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGD8bitOptions defaults);
+  explicit SGD8bit(std::vector<torch::Tensor> params, SGD8bitOptions defaults)
+      : SGD8bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
+}  // namespace memsave::optim

@@ -1,0 +1,577 @@
+#include "memsave/optim.h"
+
+#include "../kernels/optim_cpu.h"
+#include "../kernels/qmap.h"
+#include "optim_internal.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+namespace memsave::optim {
+namespace {
+
+namespace k = memsave::kernels;
+using torch::serialize::InputArchive;
+using torch::serialize::OutputArchive;
+
+double read_double(InputArchive& archive, const char* key) {
+  c10::IValue value;
+  archive.read(key, value);
+  return value.toDouble();
+}
+
+int64_t read_int(InputArchive& archive, const char* key) {
+  c10::IValue value;
+  archive.read(key, value);
+  return value.toInt();
+}
+
+bool read_bool(InputArchive& archive, const char* key) {
+  c10::IValue value;
+  archive.read(key, value);
+  return value.toBool();
+}
+
+void write_betas(OutputArchive& archive, const betas_t& betas) {
+  archive.write("beta1", std::get<0>(betas));
+  archive.write("beta2", std::get<1>(betas));
+}
+
+betas_t read_betas(InputArchive& archive) {
+  return {read_double(archive, "beta1"), read_double(archive, "beta2")};
+}
+
+const char* kind_name(int32_t kind) {
+  static const char* const kNames[] = {"Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit"};
+  return kind >= 0 && kind < 4 ? kNames[kind] : "an unknown optimizer";
+}
+
+k::DType storage_type(const torch::Tensor& t) {
+  switch (t.scalar_type()) {
+    case torch::kFloat:
+      return k::DType::kFloat32;
+    case torch::kBFloat16:
+      return k::DType::kBFloat16;
+    case torch::kHalf:
+      return k::DType::kFloat16;
+    default:
+      break;
+  }
+  TORCH_CHECK(false, "parameters must be float32, float16 or bfloat16, got ", t.scalar_type());
+}
+
+int64_t blocks_of(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
+
+/// The 256 values of a code book as a float tensor, for reading 8-bit state back.
+torch::Tensor book_tensor(const k::CodeBook& book, torch::Device device) {
+  return torch::from_blob(const_cast<float*>(book.code), {k::kCodes}, torch::kFloat)
+      .to(device, /*non_blocking=*/false,
+          /*copy=*/true);
+}
+
+torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& codes,
+                               const torch::Tensor& absmax, int64_t block, torch::IntArrayRef shape) {
+  const int64_t numel = codes.numel();
+  const torch::Tensor values =
+      book_tensor(book, codes.device()).index({codes.reshape({-1}).to(torch::kLong)});
+  const torch::Tensor scale = absmax.repeat_interleave(block).narrow(0, 0, numel);
+  return (values * scale).reshape(shape);
+}
+
+}  // namespace
+
+// ---- options
+// -----------------------------------------------------------------------------------------------
+
+void Adam8bitOptions::serialize(OutputArchive& archive) const {
+  archive.write("lr", lr());
+  write_betas(archive, betas());
+  archive.write("eps", eps());
+  archive.write("weight_decay", weight_decay());
+  archive.write("block_size", block_size());
+  archive.write("min_8bit_size", min_8bit_size());
+}
+void Adam8bitOptions::serialize(InputArchive& archive) {
+  lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
+  weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
+  min_8bit_size(read_int(archive, "min_8bit_size"));
+}
+bool operator==(const Adam8bitOptions& a, const Adam8bitOptions& b) {
+  return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
+         a.weight_decay() == b.weight_decay() && a.block_size() == b.block_size() &&
+         a.min_8bit_size() == b.min_8bit_size();
+}
+
+void AdamW8bitOptions::serialize(OutputArchive& archive) const {
+  archive.write("lr", lr());
+  write_betas(archive, betas());
+  archive.write("eps", eps());
+  archive.write("weight_decay", weight_decay());
+  archive.write("block_size", block_size());
+  archive.write("min_8bit_size", min_8bit_size());
+}
+void AdamW8bitOptions::serialize(InputArchive& archive) {
+  lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
+  weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
+  min_8bit_size(read_int(archive, "min_8bit_size"));
+}
+bool operator==(const AdamW8bitOptions& a, const AdamW8bitOptions& b) {
+  return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
+         a.weight_decay() == b.weight_decay() && a.block_size() == b.block_size() &&
+         a.min_8bit_size() == b.min_8bit_size();
+}
+
+void Lion8bitOptions::serialize(OutputArchive& archive) const {
+  archive.write("lr", lr());
+  write_betas(archive, betas());
+  archive.write("weight_decay", weight_decay());
+  archive.write("block_size", block_size());
+  archive.write("min_8bit_size", min_8bit_size());
+}
+void Lion8bitOptions::serialize(InputArchive& archive) {
+  lr(read_double(archive, "lr"))
+      .betas(read_betas(archive))
+      .weight_decay(read_double(archive, "weight_decay"));
+  block_size(read_int(archive, "block_size")).min_8bit_size(read_int(archive, "min_8bit_size"));
+}
+bool operator==(const Lion8bitOptions& a, const Lion8bitOptions& b) {
+  return a.lr() == b.lr() && a.betas() == b.betas() && a.weight_decay() == b.weight_decay() &&
+         a.block_size() == b.block_size() && a.min_8bit_size() == b.min_8bit_size();
+}
+
+void SGD8bitOptions::serialize(OutputArchive& archive) const {
+  archive.write("lr", lr());
+  archive.write("momentum", momentum());
+  archive.write("dampening", dampening());
+  archive.write("weight_decay", weight_decay());
+  archive.write("nesterov", nesterov());
+  archive.write("block_size", block_size());
+  archive.write("min_8bit_size", min_8bit_size());
+}
+void SGD8bitOptions::serialize(InputArchive& archive) {
+  lr(read_double(archive, "lr")).momentum(read_double(archive, "momentum"));
+  dampening(read_double(archive, "dampening")).weight_decay(read_double(archive, "weight_decay"));
+  nesterov(read_bool(archive, "nesterov")).block_size(read_int(archive, "block_size"));
+  min_8bit_size(read_int(archive, "min_8bit_size"));
+}
+bool operator==(const SGD8bitOptions& a, const SGD8bitOptions& b) {
+  return a.lr() == b.lr() && a.momentum() == b.momentum() && a.dampening() == b.dampening() &&
+         a.weight_decay() == b.weight_decay() && a.nesterov() == b.nesterov() &&
+         a.block_size() == b.block_size() && a.min_8bit_size() == b.min_8bit_size();
+}
+
+// ---- state
+// -------------------------------------------------------------------------------------------------
+
+void QuantizedParamState::serialize(OutputArchive& archive) const {
+  archive.write("step", step());
+  archive.write("block_size", block_size());
+  archive.write("m", m(), /*is_buffer=*/true);
+  if (v().defined()) archive.write("v", v(), /*is_buffer=*/true);
+  if (absmax_m().defined()) archive.write("absmax_m", absmax_m(), /*is_buffer=*/true);
+  if (absmax_v().defined()) archive.write("absmax_v", absmax_v(), /*is_buffer=*/true);
+}
+
+void QuantizedParamState::serialize(InputArchive& archive) {
+  step(read_int(archive, "step"));
+  block_size(read_int(archive, "block_size"));
+  torch::Tensor t;
+  archive.read("m", t, /*is_buffer=*/true);
+  m(t);
+  for (const char* key : {"v", "absmax_m", "absmax_v"}) {
+    torch::Tensor value;
+    if (!archive.try_read(key, value, /*is_buffer=*/true)) value = torch::Tensor();
+    if (std::string(key) == "v") v(value);
+    if (std::string(key) == "absmax_m") absmax_m(value);
+    if (std::string(key) == "absmax_v") absmax_v(value);
+  }
+}
+
+bool operator==(const QuantizedParamState& a, const QuantizedParamState& b) {
+  auto same = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return x.defined() == y.defined() && (!x.defined() || (x.sizes() == y.sizes() && x.dtype() == y.dtype() &&
+                                                           torch::equal(x.cpu(), y.cpu())));
+  };
+  return a.step() == b.step() && a.block_size() == b.block_size() && same(a.m(), b.m()) &&
+         same(a.v(), b.v()) && same(a.absmax_m(), b.absmax_m()) && same(a.absmax_v(), b.absmax_v());
+}
+
+// ---- the optimizer
+// -----------------------------------------------------------------------------------------
+
+LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind)
+    : Optimizer(groups, std::move(defaults)), kind_(kind) {
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      TORCH_CHECK(p.is_floating_point() && !p.is_complex(), kind_name(static_cast<int32_t>(kind_)),
+                  ": parameters must be float32, float16 or bfloat16, got ", p.scalar_type());
+    }
+  }
+}
+
+void LowBitOptimizer::check(const Hyper& h, Kind kind) {
+  TORCH_CHECK(h.lr >= 0, "Invalid learning rate: ", h.lr);
+  TORCH_CHECK(h.weight_decay >= 0, "Invalid weight_decay value: ", h.weight_decay);
+  TORCH_CHECK(h.block_size >= k::kMinBlock && h.block_size <= k::kMaxBlock &&
+                  (h.block_size & (h.block_size - 1)) == 0,
+              "Invalid block_size: ", h.block_size, " (a power of two in [64, 4096])");
+  TORCH_CHECK(h.min_8bit_size >= 0, "Invalid min_8bit_size: ", h.min_8bit_size);
+  if (kind == Kind::kSgd) {
+    TORCH_CHECK(h.beta1 > 0 && h.beta1 < 1, "Invalid momentum value: ", h.beta1,
+                " (SGD8bit needs 0 < momentum < 1)");
+    TORCH_CHECK(h.dampening >= 0 && h.dampening <= 1, "Invalid dampening value: ", h.dampening);
+    TORCH_CHECK(!h.nesterov || h.dampening == 0, "Nesterov momentum requires zero dampening");
+    return;
+  }
+  TORCH_CHECK(h.beta1 >= 0 && h.beta1 < 1, "Invalid beta parameter at index 0: ", h.beta1);
+  TORCH_CHECK(h.beta2 >= 0 && h.beta2 < 1, "Invalid beta parameter at index 1: ", h.beta2);
+  if (kind != Kind::kLion) TORCH_CHECK(h.eps > 0, "Invalid epsilon value: ", h.eps);
+}
+
+namespace {
+
+struct Work {
+  torch::Tensor param;  // contiguous: the parameter itself or a copy written back after the step
+  torch::Tensor grad;   // contiguous
+  torch::Tensor original;
+  QuantizedParamState* state = nullptr;
+  std::unique_ptr<QuantizedParamState> fresh;
+  size_t group = 0;
+};
+
+}  // namespace
+
+torch::Tensor LowBitOptimizer::step(LossClosure closure) {
+  torch::NoGradGuard no_grad;
+  torch::Tensor loss;
+  if (closure != nullptr) {
+    at::AutoGradMode enable_grad(true);
+    loss = closure();
+  }
+  const char* name = kind_name(static_cast<int32_t>(kind_));
+  const bool second = kind_ == Kind::kAdam || kind_ == Kind::kAdamW;
+
+  // 1. Check everything; nothing changes before the kernels run.
+  std::vector<Hyper> hypers;
+  std::vector<Work> work;
+  for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
+    const auto& group = param_groups_[gi];
+    hypers.push_back(hyper(group.options()));
+    check(hypers.back(), kind_);
+    std::optional<torch::Device> device;
+    for (const auto& p : group.params()) {
+      const torch::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(!g.is_sparse(), name, ": sparse gradients are not supported");
+      storage_type(p);
+      TORCH_CHECK(g.scalar_type() == p.scalar_type(), name, ": the gradient's dtype ", g.scalar_type(),
+                  " differs from its parameter's ", p.scalar_type());
+      TORCH_CHECK(g.sizes() == p.sizes(), name, ": gradient of shape ", g.sizes(),
+                  " for a parameter of shape ", p.sizes());
+      TORCH_CHECK(g.device() == p.device(), name, ": gradient on ", g.device(), " for a parameter on ",
+                  p.device());
+      TORCH_CHECK(p.device().is_cpu() || p.device().is_cuda(), name, ": parameters on ", p.device(),
+                  " are not supported (cpu, cuda)");
+      TORCH_CHECK(!device || *device == p.device(), name,
+                  ": the parameters of a group must be on one device, found ", *device, " and ", p.device());
+      device = p.device();
+      Work w;
+      w.original = p;
+      w.group = gi;
+      const auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it != state_.end()) {
+        w.state = static_cast<QuantizedParamState*>(it->second.get());
+        TORCH_CHECK(w.state->m().numel() == p.numel() && w.state->m().device() == p.device(), name,
+                    ": the state of a parameter of shape ", p.sizes(), " does not match it");
+      }
+      work.push_back(std::move(w));
+    }
+  }
+#ifndef MEMSAVE_WITH_CUDA
+  for (const Work& w : work) {
+    TORCH_CHECK(!w.original.is_cuda(), name,
+                ": this build of memsave has no CUDA kernels (MEMSAVE_WITH_CUDA=OFF)");
+  }
+#endif
+
+  // 2. Allocate: new state (created lazily, the first time a parameter has a gradient) and contiguous copies.
+  //    An out-of-memory here leaves the parameters and the committed state as they were.
+  for (Work& w : work) {
+    const Hyper& h = hypers[w.group];
+    const torch::Tensor& p = w.original;
+    if (w.state == nullptr) {
+      w.fresh = std::make_unique<QuantizedParamState>();
+      const bool quantized = p.numel() >= h.min_8bit_size && !forced_32bit_.count(p.unsafeGetTensorImpl());
+      const auto on = torch::TensorOptions().device(p.device());
+      if (quantized) {
+        const int64_t blocks = blocks_of(p.numel(), h.block_size);
+        w.fresh->block_size(h.block_size);
+        w.fresh->m(torch::full({p.numel()}, 127, on.dtype(torch::kUInt8)));  // the signed book's 0
+        w.fresh->absmax_m(torch::zeros({blocks}, on.dtype(torch::kFloat)));
+        if (second) {
+          w.fresh->v(torch::zeros({p.numel()}, on.dtype(torch::kUInt8)));  // the unsigned book's 0
+          w.fresh->absmax_v(torch::zeros({blocks}, on.dtype(torch::kFloat)));
+        }
+      } else {
+        w.fresh->m(torch::zeros({p.numel()}, on.dtype(torch::kFloat)));
+        if (second) w.fresh->v(torch::zeros({p.numel()}, on.dtype(torch::kFloat)));
+      }
+      w.state = w.fresh.get();
+    }
+    w.param = p.is_contiguous() ? p : p.contiguous();
+    w.grad = p.grad().contiguous();
+  }
+
+  // 3. Commit new state, then update.
+  for (Work& w : work) {
+    if (w.fresh) state_[w.original.unsafeGetTensorImpl()] = std::move(w.fresh);
+  }
+  std::vector<detail::TensorStep> cuda_steps;
+  for (Work& w : work) {
+    const Hyper& h = hypers[w.group];
+    QuantizedParamState& s = *w.state;
+    s.step(s.step() + 1);
+    const k::Rule rule = static_cast<k::Rule>(kind_);
+    const k::StepScalars scalars = k::make_step_scalars(rule, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                                        s.step(), h.nesterov, h.dampening);
+    detail::TensorStep t{w.param, w.grad, &s, rule, scalars};
+    if (w.param.is_cuda()) {
+      cuda_steps.push_back(t);
+    } else {
+      detail::step_cpu(t);
+    }
+  }
+#ifdef MEMSAVE_WITH_CUDA
+  if (!cuda_steps.empty()) detail::step_cuda(cuda_steps);
+#endif
+  for (Work& w : work) {
+    if (!w.param.is_same(w.original)) w.original.copy_(w.param);
+  }
+  return loss;
+}
+
+namespace detail {
+
+void step_cpu(const TensorStep& t) {
+  const QuantizedParamState& s = *t.state;
+  const int64_t numel = t.param.numel();
+  if (s.quantized()) {
+    k::Step8 step;
+    step.param = t.param.data_ptr();
+    step.grad = t.grad.data_ptr();
+    step.dtype = storage_type(t.param);
+    step.m = s.m().data_ptr<uint8_t>();
+    step.v = s.v().defined() ? s.v().data_ptr<uint8_t>() : nullptr;
+    step.absmax_m = s.absmax_m().data_ptr<float>();
+    step.absmax_v = s.absmax_v().defined() ? s.absmax_v().data_ptr<float>() : nullptr;
+    step.numel = numel;
+    step.block_size = s.block_size();
+    step.rule = t.rule;
+    step.scalars = t.scalars;
+    const int64_t blocks = blocks_of(numel, s.block_size());
+    at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / s.block_size()),
+                     [&](int64_t begin, int64_t end) { k::step8_cpu(step, begin, end); });
+  } else {
+    k::Step32 step;
+    step.param = t.param.data_ptr();
+    step.grad = t.grad.data_ptr();
+    step.dtype = storage_type(t.param);
+    step.m = s.m().data_ptr<float>();
+    step.v = s.v().defined() ? s.v().data_ptr<float>() : nullptr;
+    step.numel = numel;
+    step.rule = t.rule;
+    step.scalars = t.scalars;
+    at::parallel_for(0, numel, 32768, [&](int64_t begin, int64_t end) { k::step32_cpu(step, begin, end); });
+  }
+}
+
+}  // namespace detail
+
+void LowBitOptimizer::force_32bit(const torch::Tensor& param) {
+  forced_32bit_.insert(param.unsafeGetTensorImpl());
+  const auto it = state_.find(param.unsafeGetTensorImpl());
+  if (it == state_.end()) return;
+  auto& s = static_cast<QuantizedParamState&>(*it->second);
+  if (!s.quantized()) return;
+  const std::vector<torch::Tensor> fp32 = state_fp32(param);
+  auto fresh = std::make_unique<QuantizedParamState>();
+  fresh->step(s.step());
+  fresh->m(fp32[0].reshape({-1}).contiguous());
+  if (fp32.size() > 1) fresh->v(fp32[1].reshape({-1}).contiguous());
+  it->second = std::move(fresh);
+}
+
+std::vector<torch::Tensor> LowBitOptimizer::state_fp32(const torch::Tensor& param) const {
+  const auto it = state_.find(param.unsafeGetTensorImpl());
+  if (it == state_.end()) return {};
+  const auto& s = static_cast<const QuantizedParamState&>(*it->second);
+  std::vector<torch::Tensor> out;
+  if (!s.quantized()) {
+    out.push_back(s.m().reshape(param.sizes()).clone());
+    if (s.v().defined()) out.push_back(s.v().reshape(param.sizes()).clone());
+    return out;
+  }
+  out.push_back(dequantize_state(k::signed_code_book(), s.m(), s.absmax_m(), s.block_size(), param.sizes()));
+  if (s.v().defined()) {
+    out.push_back(
+        dequantize_state(k::unsigned_code_book(), s.v(), s.absmax_v(), s.block_size(), param.sizes()));
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> LowBitOptimizer::state_tensors() const {
+  std::vector<torch::Tensor> out;
+  for (const auto& entry : state_) {
+    const auto& s = static_cast<const QuantizedParamState&>(*entry.second);
+    for (const torch::Tensor& t : {s.m(), s.v(), s.absmax_m(), s.absmax_v()}) {
+      if (t.defined()) out.push_back(t);
+    }
+  }
+  return out;
+}
+
+void LowBitOptimizer::save(OutputArchive& archive) const {
+  archive.write("memsave_kind", static_cast<int64_t>(kind_));
+  archive.write("memsave_code_book_version", k::kCodeBookVersion);
+  archive.write("groups", static_cast<int64_t>(param_groups_.size()));
+  int64_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    OutputArchive options(archive.compilation_unit());
+    param_groups_[g].options().serialize(options);
+    archive.write("group_" + std::to_string(g) + "_options", options);
+    archive.write("group_" + std::to_string(g) + "_size",
+                  static_cast<int64_t>(param_groups_[g].params().size()));
+    for (const auto& p : param_groups_[g].params()) {
+      const auto it = state_.find(p.unsafeGetTensorImpl());
+      if (it != state_.end()) {
+        OutputArchive state(archive.compilation_unit());
+        it->second->serialize(state);
+        archive.write("state_" + std::to_string(index), state);
+      }
+      ++index;
+    }
+  }
+}
+
+void LowBitOptimizer::load(InputArchive& archive) {
+  const char* name = kind_name(static_cast<int32_t>(kind_));
+  // Read and check everything into temporaries; commit only when all of it fits this optimizer.
+  c10::IValue kind_value;
+  TORCH_CHECK(archive.try_read("memsave_kind", kind_value) && kind_value.isInt(), name,
+              ": the archive holds no memsave optimizer state");
+  const int64_t kind = kind_value.toInt();
+  TORCH_CHECK(kind == static_cast<int64_t>(kind_), name, ": the archive holds the state of ",
+              kind_name(static_cast<int32_t>(kind)));
+  const int64_t version = read_int(archive, "memsave_code_book_version");
+  TORCH_CHECK(version == k::kCodeBookVersion, name, ": the archive's code book version ", version,
+              " is not this build's ", k::kCodeBookVersion);
+  const int64_t groups = read_int(archive, "groups");
+  TORCH_CHECK(groups == static_cast<int64_t>(param_groups_.size()), name, ": the archive has ", groups,
+              " parameter groups, this optimizer ", param_groups_.size());
+  const bool second = kind_ == Kind::kAdam || kind_ == Kind::kAdamW;
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options;
+  std::vector<std::pair<const void*, std::unique_ptr<QuantizedParamState>>> states;
+  int64_t index = 0;
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    const auto& params = param_groups_[g].params();
+    const int64_t size = read_int(archive, ("group_" + std::to_string(g) + "_size").c_str());
+    TORCH_CHECK(size == static_cast<int64_t>(params.size()), name, ": group ", g, " has ", size,
+                " parameters in the archive, ", params.size(), " here");
+    InputArchive options_archive;
+    archive.read("group_" + std::to_string(g) + "_options", options_archive);
+    options.push_back(param_groups_[g].options().clone());
+    options.back()->serialize(options_archive);
+    const Hyper h = hyper(*options.back());
+    check(h, kind_);
+    const int64_t here = hyper(param_groups_[g].options()).block_size;
+    TORCH_CHECK(h.block_size == here, name, ": the archive's block size ", h.block_size,
+                " differs from this optimizer's ", here);
+    for (const auto& p : params) {
+      InputArchive state_archive;
+      if (archive.try_read("state_" + std::to_string(index++), state_archive)) {
+        auto s = std::make_unique<QuantizedParamState>();
+        s->serialize(state_archive);
+        const int64_t numel = p.numel();
+        const bool quantized = s->quantized();
+        const auto codes = quantized ? torch::kUInt8 : torch::kFloat;
+        auto fits = [&](const torch::Tensor& t, int64_t n, torch::ScalarType type) {
+          return t.defined() && t.dim() == 1 && t.numel() == n && t.scalar_type() == type;
+        };
+        TORCH_CHECK(s->step() >= 0, name, ": negative step count in the archive");
+        if (quantized) {
+          TORCH_CHECK(s->block_size() == h.block_size, name, ": the archive's block size ", s->block_size(),
+                      " differs from this optimizer's ", h.block_size);
+          const int64_t blocks = blocks_of(numel, s->block_size());
+          TORCH_CHECK(fits(s->absmax_m(), blocks, torch::kFloat) &&
+                          (!second || fits(s->absmax_v(), blocks, torch::kFloat)),
+                      name, ": the archive's block scales do not fit a parameter of shape ", p.sizes());
+        }
+        TORCH_CHECK(fits(s->m(), numel, codes) && (second ? fits(s->v(), numel, codes) : !s->v().defined()),
+                    name, ": the archive's state does not fit a parameter of shape ", p.sizes());
+        for (auto* t : {&s->m(), &s->v(), &s->absmax_m(), &s->absmax_v()}) {
+          if (t->defined()) *t = t->to(p.device());
+        }
+        states.emplace_back(p.unsafeGetTensorImpl(), std::move(s));
+      }
+    }
+  }
+  for (size_t g = 0; g < param_groups_.size(); ++g) param_groups_[g].set_options(std::move(options[g]));
+  state_.clear();
+  for (auto& [key, s] : states) state_[const_cast<void*>(key)] = std::move(s);
+}
+
+// ---- the four optimizers
+// -----------------------------------------------------------------------------------
+
+Adam8bit::Adam8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Adam8bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<Adam8bitOptions>(defaults), Kind::kAdam) {
+  check(hyper(defaults), Kind::kAdam);
+}
+LowBitOptimizer::Hyper Adam8bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const Adam8bitOptions&>(options);
+  Hyper h;
+  h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  return h;
+}
+
+AdamW8bit::AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamW8bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<AdamW8bitOptions>(defaults), Kind::kAdamW) {
+  check(hyper(defaults), Kind::kAdamW);
+}
+LowBitOptimizer::Hyper AdamW8bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const AdamW8bitOptions&>(options);
+  Hyper h;
+  h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  return h;
+}
+
+Lion8bit::Lion8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Lion8bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<Lion8bitOptions>(defaults), Kind::kLion) {
+  check(hyper(defaults), Kind::kLion);
+}
+LowBitOptimizer::Hyper Lion8bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const Lion8bitOptions&>(options);
+  Hyper h;
+  h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas());
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  return h;
+}
+
+SGD8bit::SGD8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGD8bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<SGD8bitOptions>(defaults), Kind::kSgd) {
+  check(hyper(defaults), Kind::kSgd);
+}
+LowBitOptimizer::Hyper SGD8bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  const auto& o = static_cast<const SGD8bitOptions&>(options);
+  Hyper h;
+  h.lr = o.lr(), h.beta1 = o.momentum(), h.dampening = o.dampening(), h.nesterov = o.nesterov();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  return h;
+}
+
+}  // namespace memsave::optim

@@ -1,0 +1,82 @@
+// The optimizers' CUDA backend: groups the tensors of a step by device, state kind, storage type and rule,
+// and launches the fused kernel once per group on the current stream.
+#include "optim_internal.h"
+
+#include "../kernels/optim_cuda.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/torch.h>
+
+#include <map>
+#include <mutex>
+#include <tuple>
+
+namespace memsave::optim::detail {
+namespace {
+
+namespace k = memsave::kernels;
+
+/// The code books, copied once to each device.
+const k::CodeBook* device_book(bool is_signed, c10::DeviceIndex device) {
+  static std::mutex mutex;
+  // NOTE: leaked on purpose: freeing device memory during static destruction can outlive the CUDA context.
+  static auto* books = new std::map<std::pair<c10::DeviceIndex, bool>, torch::Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::Tensor& book = (*books)[{device, is_signed}];
+  if (!book.defined()) {
+    const k::CodeBook& host = is_signed ? k::signed_code_book() : k::unsigned_code_book();
+    book = torch::from_blob(const_cast<k::CodeBook*>(&host), {static_cast<int64_t>(sizeof(k::CodeBook))},
+                            torch::kUInt8)
+               .to(torch::Device(torch::kCUDA, device));
+  }
+  return reinterpret_cast<const k::CodeBook*>(book.data_ptr());
+}
+
+k::DType storage_type(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kBFloat16
+             ? k::DType::kBFloat16
+             : (t.scalar_type() == torch::kHalf ? k::DType::kFloat16 : k::DType::kFloat32);
+}
+
+}  // namespace
+
+void step_cuda(const std::vector<TensorStep>& steps) {
+  using Key =
+      std::tuple<c10::DeviceIndex, int64_t, int32_t, int32_t>;  // device, block size (0: fp32), dtype, rule
+  std::map<Key, std::vector<k::CudaTensorStep>> groups;
+  for (const TensorStep& t : steps) {
+    const QuantizedParamState& s = *t.state;
+    k::CudaTensorStep c;
+    c.param = t.param.data_ptr();
+    c.grad = t.grad.data_ptr();
+    c.m = s.m().data_ptr();
+    c.v = s.v().defined() ? s.v().data_ptr() : nullptr;
+    c.absmax_m = s.absmax_m().defined() ? s.absmax_m().data_ptr<float>() : nullptr;
+    c.absmax_v = s.absmax_v().defined() ? s.absmax_v().data_ptr<float>() : nullptr;
+    c.numel = t.param.numel();
+    c.scalars = t.scalars;
+    groups[Key{t.param.device().index(), s.block_size(), static_cast<int32_t>(storage_type(t.param)),
+               static_cast<int32_t>(t.rule)}]
+        .push_back(c);
+  }
+  for (const auto& [key, tensors] : groups) {
+    const auto [device, block_size, dtype, rule] = key;
+    const c10::cuda::CUDAGuard guard(device);
+    k::CudaStep step;
+    step.tensors = tensors.data();
+    step.count = static_cast<int>(tensors.size());
+    step.quantized = block_size > 0;
+    step.block_size = block_size;
+    step.rule = static_cast<k::Rule>(rule);
+    step.dtype = static_cast<k::DType>(dtype);
+    step.signed_book = device_book(true, device);
+    step.unsigned_book = device_book(false, device);
+    step.max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 8;
+    const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());
+    C10_CUDA_CHECK(static_cast<cudaError_t>(error));
+  }
+}
+
+}  // namespace memsave::optim::detail

@@ -1,0 +1,23 @@
+// What the optimizers' step hands to a backend (src/optim.cpp on the CPU, src/optim_cuda.cu on CUDA).
+#pragma once
+
+#include "../kernels/update_math.h"
+#include "memsave/optim.h"
+
+#include <vector>
+
+namespace memsave::optim::detail {
+
+struct TensorStep {
+  torch::Tensor param;  ///< contiguous
+  torch::Tensor grad;   ///< contiguous, same dtype and device
+  QuantizedParamState* state;
+  kernels::Rule rule;
+  kernels::StepScalars scalars;
+};
+
+void step_cpu(const TensorStep& step);
+/// All tensors on one CUDA device; one launch per group of tensors of one state kind and dtype.
+void step_cuda(const std::vector<TensorStep>& steps);
+
+}  // namespace memsave::optim::detail

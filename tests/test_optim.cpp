@@ -1,0 +1,419 @@
+#include <memsave/memory.h>
+#include <memsave/optim.h>
+
+#include "kernels/golden.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+#include <string>
+
+namespace memsave::optim {
+namespace {
+
+using memsave::testing::golden;
+
+torch::Tensor from_vector(const std::vector<float>& v) {
+  return torch::from_blob(const_cast<float*>(v.data()), {static_cast<int64_t>(v.size())}, torch::kFloat)
+      .clone();
+}
+
+/// The gradient of the golden trajectories (scripts/golden/make_golden.py).
+torch::Tensor golden_gradient(int step) {
+  const auto i = torch::arange(256, torch::kLong);
+  const auto ints = ((i * 7919 + step * 104729) % 2001 - 1000).to(torch::kFloat);
+  const auto scale = torch::tensor({1.0f, 0.1f, 0.01f, 0.001f, 0.0001f}).index({i % 5});
+  return ints / 1000 * scale;
+}
+
+double relative_error(const torch::Tensor& a, const torch::Tensor& b) {
+  return (a - b).abs().max().item<double>() / b.abs().max().item<double>();
+}
+
+template <typename Opt, typename Options>
+void expect_golden(const std::string& name, Options options) {
+  SCOPED_TRACE(name);
+  auto p = from_vector(golden("trajectory.initial")).requires_grad_();
+  Opt opt(std::vector<torch::Tensor>{p}, options.min_8bit_size(1 << 30));  // fp32 state
+  for (int t = 1; t <= 100; ++t) {
+    p.mutable_grad() = golden_gradient(t);
+    opt.step();
+    if (t == 1 || t == 10 || t == 100) {
+      EXPECT_LE(relative_error(p.detach(), from_vector(golden(name + ".params." + std::to_string(t)))), 1e-6)
+          << t;
+    }
+  }
+}
+
+TEST(Fp32State, MatchesPyTorchsOptimizersOver100Steps) {
+  expect_golden<Adam8bit>("adam", Adam8bitOptions(1e-2));
+  expect_golden<Adam8bit>("adam_l2", Adam8bitOptions(1e-2).weight_decay(0.01));
+  expect_golden<AdamW8bit>("adamw", AdamW8bitOptions(1e-2).weight_decay(0.01));
+  expect_golden<SGD8bit>("sgd_momentum", SGD8bitOptions(0.05).momentum(0.9).weight_decay(1e-3));
+  expect_golden<SGD8bit>("sgd_nesterov", SGD8bitOptions(0.05).momentum(0.9).nesterov(true));
+}
+
+TEST(Fp32State, MatchesLibTorchsOwnOptimizersOver100Steps) {
+  torch::manual_seed(0);
+  const auto init = torch::randn({64, 32});
+  auto run = [&](auto make) {
+    auto p = init.clone().requires_grad_();
+    auto opt = make(p);
+    torch::manual_seed(1);
+    for (int t = 0; t < 100; ++t) {
+      p.mutable_grad() = torch::randn_like(p);
+      opt->step();
+    }
+    return p.detach();
+  };
+  using V = std::vector<torch::Tensor>;
+  const auto ours = run([](auto p) {
+    return std::make_unique<AdamW8bit>(V{p}, AdamW8bitOptions(1e-2).min_8bit_size(1 << 30));
+  });
+  const auto theirs = run([](auto p) {
+    return std::make_unique<torch::optim::AdamW>(V{p}, torch::optim::AdamWOptions(1e-2).weight_decay(1e-2));
+  });
+  EXPECT_LE(relative_error(ours, theirs), 1e-6);
+  const auto sgd_ours = run([](auto p) {
+    return std::make_unique<SGD8bit>(V{p}, SGD8bitOptions(0.01).momentum(0.9).min_8bit_size(1 << 30));
+  });
+  const auto sgd_theirs = run([](auto p) {
+    return std::make_unique<torch::optim::SGD>(V{p}, torch::optim::SGDOptions(0.01).momentum(0.9));
+  });
+  EXPECT_LE(relative_error(sgd_ours, sgd_theirs), 1e-6);
+}
+
+torch::nn::Sequential small_mlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(32, 256), torch::nn::ReLU(), torch::nn::Linear(256, 256),
+                               torch::nn::ReLU(), torch::nn::Linear(256, 4));
+}
+
+TEST(EightBit, TrainsASmallMlpLikeFp32AdamW) {
+  torch::manual_seed(3);
+  const auto w = torch::randn({32, 4}) / 4;
+  auto data = [&](int64_t n) {
+    const auto x = torch::randn({n, 32});
+    return std::make_pair(x, torch::tanh(x.matmul(w)) * 2 + 0.1 * torch::randn({n, 4}));
+  };
+  const auto [x, y] = data(2048);
+  const auto [x_test, y_test] = data(1024);
+  auto train = [&](bool eight_bit) {
+    auto net = small_mlp();
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (eight_bit) {
+      opt = std::make_unique<AdamW8bit>(net->parameters(), AdamW8bitOptions(3e-3).min_8bit_size(1024));
+    } else {
+      opt = std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(3e-3));
+    }
+    for (int t = 0; t < 100; ++t) {
+      opt->zero_grad();
+      torch::mse_loss(net->forward(x), y).backward();
+      opt->step();
+    }
+    torch::NoGradGuard no_grad;
+    return torch::mse_loss(net->forward(x_test), y_test).item<double>();
+  };
+  const double start = [&] {
+    torch::NoGradGuard no_grad;
+    return torch::mse_loss(small_mlp()->forward(x_test), y_test).item<double>();
+  }();
+  const double fp32 = train(false), int8 = train(true);
+  std::printf(
+      "MLP regression, held-out loss %.5f at the start, after 100 steps: fp32 AdamW %.5f, AdamW8bit %.5f\n",
+      start, fp32, int8);
+  // The stated bound: the 8-bit run's held-out loss is within 10% of fp32's, and fp32 has learned.
+  EXPECT_LT(fp32, 0.2 * start);
+  EXPECT_LE(std::fabs(int8 - fp32), 0.1 * fp32);
+}
+
+TEST(EightBit, KeepsAbout2BytesOfStatePerParameter) {
+  auto p = torch::randn({1 << 20}).requires_grad_();
+  AdamW8bit opt(std::vector<torch::Tensor>{p});
+  PeakScope scope(torch::kCPU);
+  const int64_t before = memory_stats(torch::kCPU).current;
+  p.mutable_grad() = torch::randn_like(p);
+  const int64_t with_grad = memory_stats(torch::kCPU).current;
+  opt.step();
+  const int64_t state = memory_stats(torch::kCPU).current - with_grad;
+  EXPECT_GT(with_grad, before);
+  const double per_parameter = static_cast<double>(state) / p.numel();
+  std::printf("AdamW8bit state: %.5f bytes per parameter (meter)\n", per_parameter);
+  EXPECT_LE(per_parameter, 2.04);
+  EXPECT_GE(per_parameter, 2.0);
+  int64_t counted = 0;
+  for (const auto& t : opt.state_tensors()) counted += t.numel() * t.element_size();
+  EXPECT_EQ(counted, state);
+}
+
+TEST(EightBit, SmallTensorsAndForcedOnesKeepFp32State) {
+  auto big = torch::randn({8192}).requires_grad_();
+  auto small = torch::randn({100}).requires_grad_();
+  auto forced = torch::randn({8192}).requires_grad_();
+  Adam8bit opt(std::vector<torch::Tensor>{big, small, forced});
+  opt.force_32bit(forced);
+  for (auto* p : {&big, &small, &forced}) p->mutable_grad() = torch::randn_like(*p);
+  opt.step();
+  auto state = [&](const torch::Tensor& p) {
+    return static_cast<QuantizedParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+  };
+  EXPECT_TRUE(state(big).quantized());
+  EXPECT_EQ(state(big).m().scalar_type(), torch::kUInt8);
+  EXPECT_FALSE(state(small).quantized());
+  EXPECT_EQ(state(small).m().scalar_type(), torch::kFloat);
+  EXPECT_FALSE(state(forced).quantized());
+  // forcing after the fact converts the state to the fp32 values it stood for
+  const auto before = opt.state_fp32(big);
+  opt.force_32bit(big);
+  EXPECT_FALSE(state(big).quantized());
+  EXPECT_TRUE(torch::equal(opt.state_fp32(big)[0], before[0]));
+  EXPECT_TRUE(torch::equal(opt.state_fp32(big)[1], before[1]));
+}
+
+TEST(EightBit, StateReadsBackCloseToTheFp32Moments) {
+  auto p8 = torch::randn({4096}).requires_grad_();
+  auto p32 = p8.detach().clone().requires_grad_();
+  Adam8bit opt8(std::vector<torch::Tensor>{p8});
+  Adam8bit opt32(std::vector<torch::Tensor>{p32}, Adam8bitOptions().min_8bit_size(1 << 30));
+  const auto g = torch::randn({4096});
+  p8.mutable_grad() = g.clone();
+  p32.mutable_grad() = g.clone();
+  opt8.step();
+  opt32.step();
+  const auto m8 = opt8.state_fp32(p8), m32 = opt32.state_fp32(p32);
+  ASSERT_EQ(m8.size(), 2u);
+  // one step from zero state: m = 0.1 g, quantized blockwise: error at most half the largest signed code gap
+  // (0.9 / 64 / 2 in the top decade) times the block's absmax
+  EXPECT_LE(relative_error(m8[0], m32[0]), 0.00704);
+  EXPECT_EQ(m8[0].sizes(), p8.sizes());
+}
+
+std::string saved(const torch::optim::Optimizer& opt) {
+  torch::serialize::OutputArchive archive;
+  opt.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+void load(torch::optim::Optimizer& opt, const std::string& bytes) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  archive.load_from(in);
+  opt.load(archive);
+}
+
+TEST(EightBit, SaveAndLoadRoundTripExactly) {
+  auto p = torch::randn({5000}).requires_grad_();
+  auto q = torch::randn({300}).requires_grad_();
+  AdamW8bit a(std::vector<torch::Tensor>{p, q}, AdamW8bitOptions(1e-3).block_size(128));
+  for (int t = 0; t < 3; ++t) {
+    p.mutable_grad() = torch::randn_like(p);
+    q.mutable_grad() = torch::randn_like(q);
+    a.step();
+  }
+  AdamW8bit b(std::vector<torch::Tensor>{p, q}, AdamW8bitOptions(1e-3).block_size(128));
+  load(b, saved(a));
+  for (const auto& t : {p, q}) {
+    const auto& sa = static_cast<QuantizedParamState&>(*a.state().at(t.unsafeGetTensorImpl()));
+    const auto& sb = static_cast<QuantizedParamState&>(*b.state().at(t.unsafeGetTensorImpl()));
+    EXPECT_TRUE(sa == sb);
+  }
+  // both continue identically
+  auto p2 = p.detach().clone();
+  p.mutable_grad() = torch::ones_like(p);
+  q.mutable_grad() = torch::ones_like(q);
+  a.step();
+  const auto after_a = p.detach().clone();
+  p.detach().copy_(p2);
+  b.step();
+  EXPECT_TRUE(torch::equal(p.detach(), after_a));
+}
+
+TEST(EightBit, MismatchedOrCorruptFilesLeaveTheOptimizerUnchanged) {
+  auto p = torch::randn({5000}).requires_grad_();
+  AdamW8bit source(std::vector<torch::Tensor>{p});
+  p.mutable_grad() = torch::randn_like(p);
+  source.step();
+  const std::string file = saved(source);
+
+  auto other = torch::randn({5000}).requires_grad_();
+  AdamW8bit target(std::vector<torch::Tensor>{other});
+  other.mutable_grad() = torch::randn_like(other);
+  target.step();
+  const std::string before = saved(target);
+  auto unchanged = [&] { EXPECT_EQ(saved(target), before); };
+
+  auto different_shape = torch::randn({4000}).requires_grad_();
+  AdamW8bit shaped(std::vector<torch::Tensor>{different_shape});
+  EXPECT_THROW(load(shaped, file), c10::Error);
+  EXPECT_TRUE(shaped.state().empty());
+
+  AdamW8bit blocked(std::vector<torch::Tensor>{other}, AdamW8bitOptions().block_size(512));
+  EXPECT_THROW(load(blocked, file), c10::Error);
+
+  Adam8bit adam(std::vector<torch::Tensor>{other});
+  try {
+    load(adam, file);
+    FAIL() << "Adam8bit loaded AdamW8bit state";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("AdamW8bit"), std::string::npos);
+  }
+
+  std::string corrupt = file;
+  corrupt.resize(corrupt.size() / 2);
+  EXPECT_ANY_THROW(load(target, corrupt));
+  unchanged();
+  torch::serialize::OutputArchive empty;
+  std::ostringstream out;
+  empty.save_to(out);
+  EXPECT_THROW(load(target, out.str()), c10::Error);
+  unchanged();
+}
+
+TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
+  auto p = torch::randn({10}).requires_grad_();
+  using V = std::vector<torch::Tensor>;
+  auto message = [](auto&& make) -> std::string {
+    try {
+      make();
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "(accepted)";
+  };
+  EXPECT_NE(message([&] { AdamW8bit(V{p}, AdamW8bitOptions(-1)); }).find("learning rate: -1"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              AdamW8bit(V{p}, AdamW8bitOptions().betas({1.0, 0.9}));
+            }).find("index 0: 1"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              AdamW8bit(V{p}, AdamW8bitOptions().betas({0.9, -0.1}));
+            }).find("index 1: -0.1"),
+            std::string::npos);
+  EXPECT_NE(message([&] { Adam8bit(V{p}, Adam8bitOptions().eps(0)); }).find("epsilon value: 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] { Adam8bit(V{p}, Adam8bitOptions().block_size(100)); }).find("block_size: 100"),
+            std::string::npos);
+  EXPECT_NE(message([&] { SGD8bit(V{p}, SGD8bitOptions(0.1).momentum(0)); }).find("momentum value: 0"),
+            std::string::npos);
+  EXPECT_NE(
+      message([&] { Lion8bit(V{p}, Lion8bitOptions().weight_decay(-1)); }).find("weight_decay value: -1"),
+      std::string::npos);
+  EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kLong)}); }).find("Long"), std::string::npos);
+  EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kComplexFloat)}); }).find("ComplexFloat"),
+            std::string::npos);
+}
+
+TEST(BadInput, AStepThatCannotRunChangesNothing) {
+  auto a = torch::randn({5000}).requires_grad_();
+  auto b = torch::randn({5000}).requires_grad_();
+  AdamW8bit opt(std::vector<torch::Tensor>{a, b});
+  const auto a0 = a.detach().clone(), b0 = b.detach().clone();
+  a.mutable_grad() = torch::randn_like(a);
+  b.mutable_grad() = torch::randn({5000}).to_sparse();
+  EXPECT_THROW(opt.step(), c10::Error);
+  b.mutable_grad() = torch::randn({5000}, torch::kDouble);
+  EXPECT_THROW(opt.step(), c10::Error);
+  b.mutable_grad() = torch::randn({5000}, torch::TensorOptions().device(torch::kMeta));
+  EXPECT_THROW(opt.step(), c10::Error);
+  EXPECT_TRUE(torch::equal(a.detach(), a0));
+  EXPECT_TRUE(torch::equal(b.detach(), b0));
+  EXPECT_TRUE(opt.state().empty());
+  opt.param_groups()[0].options().set_lr(-0.5);
+  b.mutable_grad() = torch::randn_like(b);
+  EXPECT_THROW(opt.step(), c10::Error);
+  EXPECT_TRUE(torch::equal(a.detach(), a0));
+}
+
+TEST(BadInput, AnOutOfMemoryWhileCreatingStateChangesNothing) {
+  auto a = torch::randn({100000}).requires_grad_();
+  auto b = torch::randn({100000}).requires_grad_();
+  AdamW8bit opt(std::vector<torch::Tensor>{a, b});
+  a.mutable_grad() = torch::randn_like(a);
+  b.mutable_grad() = torch::randn_like(b);
+  const auto a0 = a.detach().clone(), b0 = b.detach().clone();
+  {
+    ScopedBudget budget(torch::kCPU,
+                        memory_stats(torch::kCPU).current + 250000);  // a's state fits, b's does not
+    EXPECT_THROW(opt.step(), c10::OutOfMemoryError);
+  }
+  EXPECT_TRUE(torch::equal(a.detach(), a0));
+  EXPECT_TRUE(torch::equal(b.detach(), b0));
+  EXPECT_TRUE(opt.state().empty());
+  opt.step();
+  EXPECT_FALSE(torch::equal(a.detach(), a0));
+}
+
+TEST(Layouts, NonContiguousAndHalfPrecisionParametersWork) {
+  const auto base = torch::randn({128, 64});
+  auto t = base.t().detach().requires_grad_();  // non-contiguous leaf
+  auto c = base.t().contiguous().requires_grad_();
+  ASSERT_FALSE(t.is_contiguous());
+  AdamW8bit a(std::vector<torch::Tensor>{t});
+  AdamW8bit b(std::vector<torch::Tensor>{c});
+  const auto g = torch::randn({64, 128});
+  t.mutable_grad() = g.clone();
+  c.mutable_grad() = g.clone();
+  a.step();
+  b.step();
+  EXPECT_TRUE(torch::equal(t.detach(), c.detach()));
+  EXPECT_FALSE(t.is_contiguous());
+
+  for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
+    auto h = torch::randn({8192}).to(dtype).requires_grad_();
+    auto f = h.detach().to(torch::kFloat).requires_grad_();
+    AdamW8bit oh(std::vector<torch::Tensor>{h});
+    AdamW8bit of(std::vector<torch::Tensor>{f});
+    const auto gh = torch::randn({8192}).to(dtype);
+    h.mutable_grad() = gh;
+    f.mutable_grad() = gh.to(torch::kFloat);
+    oh.step();
+    of.step();
+    // the half-precision step is the fp32 step rounded to the storage type
+    EXPECT_TRUE(torch::equal(h.detach(), f.detach().to(dtype))) << dtype;
+  }
+}
+
+TEST(Lion, MovesEveryCoordinateByTheLearningRate) {
+  auto p = torch::zeros({5000}).requires_grad_();
+  Lion8bit opt(std::vector<torch::Tensor>{p}, Lion8bitOptions(1e-2));
+  p.mutable_grad() = torch::randn({5000});
+  const auto sign = p.grad().sign();
+  opt.step();
+  EXPECT_TRUE(torch::allclose(p.detach(), -1e-2 * sign, 0, 1e-8));
+}
+
+TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    torch::manual_seed(5);
+    auto cpu = torch::randn({3 * 4096 + 17}).to(dtype).requires_grad_();
+    auto small = torch::randn({1000}).to(dtype).requires_grad_();
+    auto gpu = cpu.detach().cuda().requires_grad_();
+    auto gpu_small = small.detach().cuda().requires_grad_();
+    AdamW8bit a(std::vector<torch::Tensor>{cpu, small});
+    AdamW8bit b(std::vector<torch::Tensor>{gpu, gpu_small});
+    for (int t = 0; t < 5; ++t) {
+      const auto g = torch::randn_like(cpu), gs = torch::randn_like(small);
+      cpu.mutable_grad() = g;
+      small.mutable_grad() = gs;
+      gpu.mutable_grad() = g.cuda();
+      gpu_small.mutable_grad() = gs.cuda();
+      a.step();
+      b.step();
+    }
+    EXPECT_TRUE(torch::equal(cpu.detach(), gpu.detach().cpu())) << dtype;
+    EXPECT_TRUE(torch::equal(small.detach(), gpu_small.detach().cpu())) << dtype;
+    const auto& sa = static_cast<QuantizedParamState&>(*a.state().at(cpu.unsafeGetTensorImpl()));
+    const auto& sb = static_cast<QuantizedParamState&>(*b.state().at(gpu.unsafeGetTensorImpl()));
+    EXPECT_TRUE(sa == sb) << dtype;
+  }
+}
+
+}  // namespace
+}  // namespace memsave::optim
