@@ -53,70 +53,69 @@ inline void dequantize_run(const CodeBook& book, const std::uint8_t* __restrict 
   for (; i < n; ++i) out[i] = dequantize(book, codes[i]) * absmax;
 }
 
-/// values / divisor -> nearest codes for n values: `quantize` of qmap.h, lane by lane.
-inline void quantize_run(const CodeBook& book, const float* __restrict values, float divisor,
+/// values * scale -> nearest codes for n values: `quantize` of qmap.h, lane by lane.
+inline void quantize_run(const CodeBook& book, const float* __restrict values, float scale,
                          std::uint8_t* __restrict codes, std::int64_t n) {
   std::int64_t i = 0;
-#if defined(__AVX2__) || defined(__AVX512F__)
-  // NOTE: the byte tables are read as 32-bit words at byte offsets and masked; CodeBook pads `lut` for that.
-  const int* lut = reinterpret_cast<const int*>(book.lut);
-  const int* tie = reinterpret_cast<const int*>(book.tie_up);
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const int* table = reinterpret_cast<const int*>(book.cell);
+  constexpr int kTop = kLutLowestExponent + kLutExponentSlots - 1;
 #endif
 #if defined(__AVX512F__)
-  const __m512 div = _mm512_set1_ps(divisor);
-  const __m512i byte = _mm512_set1_epi32(0xff),
-                top = _mm512_set1_epi32(kLutLowestExponent + kLutExponentSlots - 1);
-  const __m512i lowest = _mm512_set1_epi32(kLutLowestExponent),
-                full = _mm512_set1_epi32((1 << kLutMantissaBits) - 1);
+  const __m512 factor = _mm512_set1_ps(scale);
+  const __m512i magnitude_bits = _mm512_set1_epi32(0x7fffffff), tail_bits = _mm512_set1_epi32(0xffff);
+  const __m512i full = _mm512_set1_epi32((1 << kLutMantissaBits) - 1), byte = _mm512_set1_epi32(0xff);
+  const __m512i lowest = _mm512_set1_epi32(kLutLowestExponent), top = _mm512_set1_epi32(kTop);
+  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), mirror = _mm512_set1_epi32(254);
   for (; i + 16 <= n; i += 16) {
-    const __m512 x = _mm512_div_ps(_mm512_loadu_ps(values + i), div);
-    const __m512i bits = _mm512_castps_si512(x);
-    const __m512i sign = _mm512_srli_epi32(bits, 31);
-    __m512i exponent = _mm512_and_si512(_mm512_srli_epi32(bits, 23), byte);
-    __m512i mantissa = _mm512_and_si512(_mm512_srli_epi32(bits, 23 - kLutMantissaBits), full);
-    mantissa = _mm512_mask_mov_epi32(mantissa, _mm512_cmpgt_epi32_mask(exponent, top), full);
+    const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + i), factor));
+    const __m512i magnitude = _mm512_and_si512(bits, magnitude_bits);
+    __m512i exponent = _mm512_srli_epi32(magnitude, 23);
+    const __mmask16 beyond = _mm512_cmpgt_epi32_mask(exponent, top);
+    const __m512i mantissa = _mm512_mask_mov_epi32(
+        _mm512_and_si512(_mm512_srli_epi32(magnitude, 23 - kLutMantissaBits), full), beyond, full);
+    const __m512i tail = _mm512_mask_mov_epi32(_mm512_and_si512(magnitude, tail_bits), beyond, tail_bits);
     exponent = _mm512_min_epi32(_mm512_max_epi32(exponent, lowest), top);
-    const __m512i slot = _mm512_add_epi32(_mm512_mullo_epi32(sign, _mm512_set1_epi32(kLutExponentSlots)),
-                                          _mm512_sub_epi32(exponent, lowest));
-    const __m512i cell = _mm512_or_si512(_mm512_slli_epi32(slot, kLutMantissaBits), mantissa);
-    const __m512i low = _mm512_and_si512(_mm512_i32gather_epi32(cell, lut, 1), byte);
-    const __m512 t = _mm512_i32gather_ps(low, book.threshold, 4);
-    const __m512i tie_up = _mm512_and_si512(_mm512_i32gather_epi32(low, tie, 1), byte);
-    const __mmask16 up = _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ) |
-                         (_mm512_cmp_ps_mask(x, t, _CMP_EQ_OQ) & _mm512_test_epi32_mask(tie_up, tie_up));
-    const __m512i code = _mm512_mask_add_epi32(low, up, low, _mm512_set1_epi32(1));
+    const __m512i cell =
+        _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(exponent, lowest), kLutMantissaBits), mantissa);
+    const __m512i entry = _mm512_i32gather_epi32(cell, table, 4);
+    const __m512i low = _mm512_and_si512(entry, byte);
+    __m512i code =
+        _mm512_mask_add_epi32(low, _mm512_cmpge_epi32_mask(tail, _mm512_srli_epi32(entry, 15)), low, one);
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(bits, zero);
+    code = _mm512_mask_mov_epi32(
+        code, negative, book.is_signed ? _mm512_max_epi32(_mm512_sub_epi32(mirror, code), zero) : zero);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
   }
 #elif defined(__AVX2__)
-  const __m256 div = _mm256_set1_ps(divisor);
-  const __m256i byte = _mm256_set1_epi32(0xff),
-                top = _mm256_set1_epi32(kLutLowestExponent + kLutExponentSlots - 1);
-  const __m256i lowest = _mm256_set1_epi32(kLutLowestExponent),
-                full = _mm256_set1_epi32((1 << kLutMantissaBits) - 1);
+  const __m256 factor = _mm256_set1_ps(scale);
+  const __m256i magnitude_bits = _mm256_set1_epi32(0x7fffffff), tail_bits = _mm256_set1_epi32(0xffff);
+  const __m256i full = _mm256_set1_epi32((1 << kLutMantissaBits) - 1), byte = _mm256_set1_epi32(0xff);
+  const __m256i lowest = _mm256_set1_epi32(kLutLowestExponent), top = _mm256_set1_epi32(kTop);
+  const __m256i zero = _mm256_setzero_si256(), mirror = _mm256_set1_epi32(254);
   for (; i + 8 <= n; i += 8) {
-    const __m256 x = _mm256_div_ps(_mm256_loadu_ps(values + i), div);
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i sign = _mm256_srli_epi32(bits, 31);
-    __m256i exponent = _mm256_and_si256(_mm256_srli_epi32(bits, 23), byte);
-    __m256i mantissa = _mm256_and_si256(_mm256_srli_epi32(bits, 23 - kLutMantissaBits), full);
-    mantissa = _mm256_blendv_epi8(mantissa, full, _mm256_cmpgt_epi32(exponent, top));
+    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(values + i), factor));
+    const __m256i magnitude = _mm256_and_si256(bits, magnitude_bits);
+    __m256i exponent = _mm256_srli_epi32(magnitude, 23);
+    const __m256i beyond = _mm256_cmpgt_epi32(exponent, top);
+    const __m256i mantissa = _mm256_blendv_epi8(
+        _mm256_and_si256(_mm256_srli_epi32(magnitude, 23 - kLutMantissaBits), full), full, beyond);
+    const __m256i tail = _mm256_blendv_epi8(_mm256_and_si256(magnitude, tail_bits), tail_bits, beyond);
     exponent = _mm256_min_epi32(_mm256_max_epi32(exponent, lowest), top);
-    const __m256i slot = _mm256_add_epi32(_mm256_mullo_epi32(sign, _mm256_set1_epi32(kLutExponentSlots)),
-                                          _mm256_sub_epi32(exponent, lowest));
-    const __m256i cell = _mm256_or_si256(_mm256_slli_epi32(slot, kLutMantissaBits), mantissa);
-    const __m256i low = _mm256_and_si256(_mm256_i32gather_epi32(lut, cell, 1), byte);
-    const __m256 t = _mm256_i32gather_ps(book.threshold, low, 4);
-    const __m256i tie_up = _mm256_and_si256(_mm256_i32gather_epi32(tie, low, 1), byte);
-    const __m256i gt = _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_GT_OQ));
-    const __m256i eq = _mm256_castps_si256(_mm256_cmp_ps(x, t, _CMP_EQ_OQ));
-    const __m256i up =
-        _mm256_or_si256(gt, _mm256_and_si256(eq, _mm256_cmpeq_epi32(tie_up, _mm256_set1_epi32(1))));
-    const __m256i code = _mm256_sub_epi32(low, up);  // up lanes are -1
+    const __m256i cell =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(exponent, lowest), kLutMantissaBits), mantissa);
+    const __m256i entry = _mm256_i32gather_epi32(table, cell, 4);
+    const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 15), tail);  // -1 where it stays
+    __m256i code =
+        _mm256_add_epi32(_mm256_and_si256(entry, byte), _mm256_add_epi32(below, _mm256_set1_epi32(1)));
+    const __m256i negative = _mm256_srai_epi32(bits, 31);
+    const __m256i mirrored = book.is_signed ? _mm256_max_epi32(_mm256_sub_epi32(mirror, code), zero) : zero;
+    code = _mm256_blendv_epi8(code, mirrored, negative);
     const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
   }
 #endif
-  for (; i < n; ++i) codes[i] = quantize(book, values[i] / divisor);
+  for (; i < n; ++i) codes[i] = quantize(book, values[i] * scale);
 }
 
 /// The largest magnitude of n values; NaN when any is NaN. Exact and order-free: it compares IEEE bit
@@ -150,11 +149,11 @@ inline void step8_block(const Step8& s, std::int64_t block, float* __restrict m,
   }
   const float max_m = absmax_run(m, n);
   s.absmax_m[block] = max_m;
-  quantize_run(sb, m, max_m > 0.0f ? max_m : 1.0f, s.m + offset, n);
+  quantize_run(sb, m, block_scale(max_m), s.m + offset, n);
   if constexpr (kSecond) {
     const float max_v = absmax_run(v, n);
     s.absmax_v[block] = max_v;
-    quantize_run(ub, v, max_v > 0.0f ? max_v : 1.0f, s.v + offset, n);
+    quantize_run(ub, v, block_scale(max_v), s.v + offset, n);
   }
 }
 

@@ -91,14 +91,14 @@ __global__ void __launch_bounds__(kThreads) step8_kernel(const LaunchArgs a) {
       s.absmax_m[block] = new_max_m;
       if (kSecond) s.absmax_v[block] = new_max_v;
     }
-    const float div_m = new_max_m > 0.0f ? new_max_m : 1.0f;
-    const float div_v = new_max_v > 0.0f ? new_max_v : 1.0f;
+    const float scale_m = block_scale(new_max_m);
+    const float scale_v = block_scale(new_max_v);
 #pragma unroll
     for (int k = 0; k < kMaxPerThread; ++k) {
       const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * kThreads;
       if (i < n) {
-        mq[i] = quantize(sb, m[k] / div_m);
-        if (kSecond) vq[i] = quantize(ub, v[k] / div_v);
+        mq[i] = quantize(sb, m[k] * scale_m);
+        if (kSecond) vq[i] = quantize(ub, v[k] * scale_v);
       }
     }
   }

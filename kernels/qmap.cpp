@@ -68,43 +68,50 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes) {
   }
   CodeBook book{};
   std::copy(codes.begin(), codes.end(), book.code);
-  for (int i = 0; i + 1 < kCodes; ++i) {
-    const double mid = (static_cast<double>(codes[i]) + codes[i + 1]) / 2;  // exact in double
-    float t = static_cast<float>(mid);
-    if (static_cast<double>(t) > mid) t = std::nextafter(t, -std::numeric_limits<float>::infinity());
-    book.threshold[i] = t;
-    book.tie_up[i] = static_cast<double>(t) == mid && codes[i + 1] <= 0.0f;
+  book.is_signed = codes[0] < 0.0f ? 1 : 0;
+  if (book.is_signed) {
+    bool symmetric = codes[127] == 0.0f;
+    for (int k = 1; k < 128; ++k) symmetric = symmetric && codes[127 - k] == -codes[127 + k];
+    if (!symmetric)
+      throw std::invalid_argument("make_code_book: a signed book must be symmetric around code 127 = 0");
+  } else if (codes[0] != 0.0f) {
+    throw std::invalid_argument("make_code_book: an unsigned book must start at 0");
   }
-  book.threshold[kCodes - 1] = std::numeric_limits<float>::infinity();
 
-  // Each cell spans [lo, hi) in magnitude; with its sign it spans an interval of values whose lowest and
-  // highest nearest codes must differ by at most one.
-  const float huge =
-      4.0f;  // stands for everything the top cell clamps: beyond ±1 every value takes an end code
-  for (std::uint32_t cell = 0; cell < static_cast<std::uint32_t>(kLutSize); ++cell) {
+  // Each cell holds the magnitudes [lo, hi]; their nearest codes may differ by at most one.
+  const float inf = std::numeric_limits<float>::infinity();
+  for (std::uint32_t cell = 0; cell < static_cast<std::uint32_t>(kLutCells); ++cell) {
     const std::uint32_t mantissa = cell & ((1u << kLutMantissaBits) - 1u);
-    const std::uint32_t slot = cell >> kLutMantissaBits;
-    const bool negative = slot >= static_cast<std::uint32_t>(kLutExponentSlots);
-    const int exponent_slot = static_cast<int>(slot % kLutExponentSlots);
-    float lo = 0.0f, hi_inclusive = 0.0f;
-    if (exponent_slot == 0) {
-      hi_inclusive = std::nextafter(std::ldexp(1.0f, kLutLowestExponent + 1 - 127), 0.0f);
+    const int slot = static_cast<int>(cell >> kLutMantissaBits);
+    float lo = 0.0f, hi = 0.0f;
+    if (slot == 0) {
+      hi = std::nextafter(std::ldexp(1.0f, kLutLowestExponent + 1 - 127), 0.0f);
     } else {
-      const int e = kLutLowestExponent + exponent_slot - 127;
+      const int e = kLutLowestExponent + slot - 127;
       lo = std::ldexp(1.0f + static_cast<float>(mantissa) / (1 << kLutMantissaBits), e);
-      const float hi = std::ldexp(1.0f + static_cast<float>(mantissa + 1) / (1 << kLutMantissaBits), e);
-      hi_inclusive = exponent_slot == kLutExponentSlots - 1 && mantissa == (1u << kLutMantissaBits) - 1u
-                         ? huge
-                         : std::nextafter(hi, 0.0f);
+      const float end = std::ldexp(1.0f + static_cast<float>(mantissa + 1) / (1 << kLutMantissaBits), e);
+      hi = slot == kLutExponentSlots - 1 && mantissa == (1u << kLutMantissaBits) - 1u
+               ? 4.0f
+               : std::nextafter(end, 0.0f);
     }
-    const float low_value = negative ? -hi_inclusive : lo;
-    const float high_value = negative ? -lo : hi_inclusive;
-    const int first = nearest(codes, low_value), last = nearest(codes, high_value);
-    if (last - first > 1) {
+    const int first = nearest(codes, lo), last = nearest(codes, hi);
+    std::uint32_t threshold = kNoBoundary;
+    if (last == first + 1) {
+      // the smallest float in the cell whose nearest code is `last`
+      const double mid = (static_cast<double>(codes[first]) + codes[last]) / 2;  // exact in double
+      float below = static_cast<float>(mid);
+      if (static_cast<double>(below) > mid) below = std::nextafter(below, -inf);
+      const float up_from =
+          static_cast<double>(below) == mid && codes[last] <= 0.0f ? below : std::nextafter(below, inf);
+      if (slot == 0 || up_from < lo || up_from > hi) {
+        throw std::invalid_argument("make_code_book: a code boundary falls outside its search cell");
+      }
+      threshold = float_bits(up_from) & 0xffffu;
+    } else if (last != first) {
       throw std::invalid_argument("make_code_book: codes too dense for the search table near " +
-                                  std::to_string(low_value));
+                                  std::to_string(lo));
     }
-    book.lut[cell] = static_cast<std::uint8_t>(first);
+    book.cell[cell] = static_cast<std::uint32_t>(first) | (threshold << 15);
   }
   return book;
 }

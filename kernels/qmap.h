@@ -6,9 +6,12 @@
 // NaN or an infinity has a non-finite absmax, so it dequantizes to non-finite values and the fault stays
 // visible.
 //
-// The search is one table look-up and one comparison: the float's sign, exponent and top 7 mantissa bits
-// index a table that gives the lowest code any value in that cell can round to; the book is built so that
-// every cell needs at most one step further up, decided against the exact midpoint to the next code.
+// The search is one table look-up and one integer comparison. The magnitude's exponent and top 7 mantissa
+// bits index a table (one cell per 1/128 of a binade); each entry holds the lowest code any magnitude in its
+// cell rounds to and, when the cell holds the boundary to the next code, the low 16 mantissa bits of the
+// smallest magnitude that rounds up (the exact midpoint with its tie rule). Negative values use the mirror
+// image: the signed book is symmetric around 0 (code 127) but for its final 1.0, and the unsigned book takes
+// them to 0.
 #pragma once
 
 #include "host_device.h"
@@ -26,15 +29,14 @@ inline constexpr int kLutMantissaBits = 7;
 /// NaN.
 inline constexpr int kLutLowestExponent = 101;  // biased exponent of slot 0
 inline constexpr int kLutExponentSlots = 27;
-inline constexpr int kLutSize = 2 * kLutExponentSlots << kLutMantissaBits;
+inline constexpr int kLutCells = kLutExponentSlots << kLutMantissaBits;
+/// An entry's threshold (bits 15..31) when its cell holds no boundary: above every 16-bit mantissa tail.
+inline constexpr std::uint32_t kNoBoundary = 0x10000u;
 
 struct CodeBook {
-  float code[kCodes];           ///< ascending
-  float threshold[kCodes];      ///< [i]: the largest float not above the midpoint of code[i] and code[i+1];
-                                ///< [255]: +inf
-  std::uint8_t tie_up[kCodes];  ///< [i]: 1 when that midpoint is a float and its tie goes to code[i+1]
-  std::uint8_t lut[kLutSize];   ///< lowest code of each cell of (sign, exponent slot, top mantissa bits)
-  std::uint8_t padding[3];      ///< lets vector code read lut and tie_up as 32-bit words at any byte offset
+  float code[kCodes];             ///< ascending
+  std::uint32_t cell[kLutCells];  ///< bits 0..7: lowest code of the cell; bits 15..31: threshold (see above)
+  std::int32_t is_signed;  ///< 1: symmetric signed book (code 127 is 0); 0: unsigned book (code 0 is 0)
 };
 
 MEMSAVE_HD std::uint32_t float_bits(float x) {
@@ -47,30 +49,33 @@ MEMSAVE_HD std::uint32_t float_bits(float x) {
 #endif
 }
 
-/// The table cell of x.
-MEMSAVE_HD std::uint32_t lut_cell(float x) {
-  const std::uint32_t bits = float_bits(x);
-  const std::uint32_t sign = bits >> 31;
-  std::int32_t exponent = static_cast<std::int32_t>((bits >> 23) & 0xffu);
-  std::uint32_t mantissa = (bits >> (23 - kLutMantissaBits)) & ((1u << kLutMantissaBits) - 1u);
-  const std::int32_t top = kLutLowestExponent + kLutExponentSlots - 1;
-  mantissa = exponent > top ? (1u << kLutMantissaBits) - 1u : mantissa;
-  exponent = exponent < kLutLowestExponent ? kLutLowestExponent : (exponent > top ? top : exponent);
-  const std::uint32_t slot =
-      sign * kLutExponentSlots + static_cast<std::uint32_t>(exponent - kLutLowestExponent);
-  return (slot << kLutMantissaBits) | mantissa;
-}
-
 /// The exact nearest code of x (see the file comment for ties, NaN and range).
 MEMSAVE_HD std::uint8_t quantize(const CodeBook& book, float x) {
-  const std::uint32_t low = book.lut[lut_cell(x)];
-  const float t = book.threshold[low];
-  const std::uint32_t up =
-      static_cast<std::uint32_t>(x > t) | (static_cast<std::uint32_t>(x == t) & book.tie_up[low]);
-  return static_cast<std::uint8_t>(low + up);
+  const std::uint32_t bits = float_bits(x);
+  const std::uint32_t magnitude = bits & 0x7fffffffu;
+  std::int32_t exponent = static_cast<std::int32_t>(magnitude >> 23);
+  std::uint32_t mantissa = (magnitude >> (23 - kLutMantissaBits)) & ((1u << kLutMantissaBits) - 1u);
+  std::uint32_t tail = magnitude & 0xffffu;
+  const std::int32_t top = kLutLowestExponent + kLutExponentSlots - 1;
+  if (exponent > top) {  // beyond 2, infinities, NaN: the top cell's end
+    mantissa = (1u << kLutMantissaBits) - 1u;
+    tail = 0xffffu;
+  }
+  exponent = exponent < kLutLowestExponent ? kLutLowestExponent : (exponent > top ? top : exponent);
+  const std::uint32_t entry =
+      book.cell[(static_cast<std::uint32_t>(exponent - kLutLowestExponent) << kLutMantissaBits) | mantissa];
+  const std::int32_t up = (entry & 0xffu) + static_cast<std::int32_t>(tail >= (entry >> 15));
+  if ((bits >> 31) == 0u) return static_cast<std::uint8_t>(up);
+  if (book.is_signed == 0) return 0;
+  return static_cast<std::uint8_t>(up > 254 ? 0
+                                            : 254 - up);  // the mirror code; beyond the lowest: the lowest
 }
 
 MEMSAVE_HD float dequantize(const CodeBook& book, std::uint8_t code) { return book.code[code]; }
+
+/// What a block's values are multiplied by before `quantize`: 1 / absmax, or 1 for an all-zero block (and for
+/// a NaN absmax, whose block dequantizes to NaN whatever its codes).
+MEMSAVE_HD float block_scale(float absmax) { return absmax > 0.0f ? 1.0f / absmax : 1.0f; }
 
 /// The dynamic-exponent code books of the 8-bit optimizers paper (Dettmers et al., 2022), bit for bit as
 /// bitsandbytes' create_dynamic_map builds them in float32: for each decade 10^-6 ... 10^0, the midpoints of
@@ -79,8 +84,9 @@ MEMSAVE_HD float dequantize(const CodeBook& book, std::uint8_t code) { return bo
 /// Unsigned: 0, 254 positive values from 3.25e-7, and 1.
 std::array<float, kCodes> dynamic_codes(bool is_signed);
 
-/// Builds the search tables for 256 ascending values. Throws std::invalid_argument when the values are not
-/// strictly ascending, not finite, or too dense for a one-comparison search.
+/// Builds the search table for 256 ascending values: a signed book (code[127] == 0 and code[127 - k] ==
+/// -code[127 + k]) or an unsigned one (code[0] == 0). Throws std::invalid_argument for anything else, or
+/// values too dense for a one-comparison search.
 CodeBook make_code_book(const std::array<float, kCodes>& codes);
 
 /// The two books the optimizers use, built once.

@@ -136,8 +136,8 @@ void reference_step8(std::vector<float>& p, const std::vector<float>& g, State8&
     s.absmax_m[b] = am;
     s.absmax_v[b] = av;
     for (std::int64_t i = b * block; i < end; ++i) {
-      s.m[i] = nearest(sb, m[i - b * block] / (am > 0 ? am : 1.0f));
-      if (has_second_moment(R)) s.v[i] = nearest(ub, v[i - b * block] / (av > 0 ? av : 1.0f));
+      s.m[i] = nearest(sb, m[i - b * block] * (am > 0 ? 1.0f / am : 1.0f));
+      if (has_second_moment(R)) s.v[i] = nearest(ub, v[i - b * block] * (av > 0 ? 1.0f / av : 1.0f));
     }
   }
 }
@@ -289,7 +289,9 @@ TEST(Conversions, HalfAndBFloat16RoundToNearestEven) {
     ASSERT_EQ(x, static_cast<float>(reference)) << h;
     ASSERT_EQ(from_float<Float16>(x).bits, h) << h;
     const BFloat16 b{static_cast<std::uint16_t>(h)};
-    if (!std::isnan(to_float(b))) ASSERT_EQ(from_float<BFloat16>(to_float(b)).bits, h);
+    if (!std::isnan(to_float(b))) {
+      ASSERT_EQ(from_float<BFloat16>(to_float(b)).bits, h);
+    }
   }
   std::mt19937 rng(3);
   std::uniform_int_distribution<std::uint32_t> bits;

@@ -1,0 +1,114 @@
+// One optimizer step on 2^24 fp32 parameters (one tensor) with the threads LibTorch is given (2 by default):
+// LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
+// memsave's fused fp32 AdamW and its 8-bit AdamW; and the machine's copy bandwidth, for the memory floor.
+// bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
+#include <memsave/memory.h>
+#include <memsave/optim.h>
+
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kParams = int64_t{1} << 24;
+
+struct Problem {
+  torch::Tensor param = torch::randn({kParams});
+  torch::Tensor grad = torch::randn({kParams}) * 1e-2;
+  Problem() {
+    param.requires_grad_();
+    param.mutable_grad() = grad;
+  }
+};
+
+/// Runs `step` as the benchmark body and reports the state's bytes per parameter as the meter counted them.
+template <typename Step>
+void run(benchmark::State& state, Step&& step, int64_t floor_bytes_per_param) {
+  const int64_t before = memsave::memory_stats(torch::kCPU).current;
+  step();  // the first step creates the state
+  const int64_t state_total = memsave::memory_stats(torch::kCPU).current - before;
+  for (auto _ : state) step();
+  state.counters["state_bytes_per_param"] = static_cast<double>(state_total) / kParams;
+  state.counters["floor_bytes_per_param"] = static_cast<double>(floor_bytes_per_param);
+  state.counters["params"] = static_cast<double>(kParams);
+}
+
+void BM_CopyBandwidth(benchmark::State& state) {
+  // Read + write of 256 MiB split across the threads: the bandwidth the floor divides by.
+  const torch::Tensor src = torch::rand({kParams * 4});
+  torch::Tensor dst = torch::empty_like(src);
+  const auto* from = static_cast<const char*>(src.data_ptr());
+  auto* to = static_cast<char*>(dst.data_ptr());
+  const int64_t bytes = src.numel() * 4;
+  for (auto _ : state) {
+    at::parallel_for(0, bytes, 1 << 20,
+                     [&](int64_t begin, int64_t end) { std::memcpy(to + begin, from + begin, end - begin); });
+    benchmark::ClobberMemory();
+  }
+  state.counters["bytes_moved"] = static_cast<double>(2 * bytes);
+  state.SetBytesProcessed(state.iterations() * 2 * bytes);
+}
+
+void BM_TorchOptimAdam(benchmark::State& state) {
+  Problem problem;
+  torch::optim::Adam opt(std::vector<torch::Tensor>{problem.param}, torch::optim::AdamOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 28);
+}
+
+void BM_TorchFusedAdamW(benchmark::State& state) {
+  Problem problem;
+  const int64_t before = memsave::memory_stats(torch::kCPU).current;
+  torch::Tensor m = torch::zeros_like(problem.param), v = torch::zeros_like(problem.param);
+  torch::Tensor step = torch::zeros({}, torch::kFloat);
+  const int64_t state_total = memsave::memory_stats(torch::kCPU).current - before;
+  torch::NoGradGuard no_grad;
+  auto param = problem.param.detach();
+  for (auto _ : state) {
+    step.add_(1);
+    at::_fused_adamw_({param}, {problem.grad}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 1e-2, 1e-8, false,
+                      false);
+  }
+  state.counters["state_bytes_per_param"] = static_cast<double>(state_total) / kParams;
+  state.counters["floor_bytes_per_param"] = 28;
+  state.counters["params"] = static_cast<double>(kParams);
+}
+
+void BM_MemsaveAdamW32(benchmark::State& state) {
+  Problem problem;
+  memsave::optim::AdamW8bit opt(std::vector<torch::Tensor>{problem.param},
+                                memsave::optim::AdamW8bitOptions(1e-3).min_8bit_size(kParams + 1));
+  run(
+      state, [&] { opt.step(); }, 28);
+}
+
+void BM_MemsaveAdamW8bit(benchmark::State& state) {
+  Problem problem;
+  memsave::optim::AdamW8bit opt(std::vector<torch::Tensor>{problem.param},
+                                memsave::optim::AdamW8bitOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 16);
+}
+
+BENCHMARK(BM_CopyBandwidth)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TorchOptimAdam)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TorchFusedAdamW)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveAdamW32)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveAdamW8bit)->Unit(benchmark::kMillisecond)->UseRealTime();
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  memsave::install_meter();
+  const char* threads = std::getenv("MEMSAVE_BENCH_THREADS");
+  at::set_num_threads(threads != nullptr ? std::atoi(threads) : 2);
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

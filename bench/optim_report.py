@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Merges bench_optim's Google Benchmark JSON and peers_optim.py's JSON into the table of RESULTS-optim.md."""
+import json
+import sys
+
+FLOOR_BYTES = {  # bytes moved per parameter by an ideal step: fp32 Adam reads p, g, m, v and writes p, m, v
+    "fp32": 28,
+    "8bit": 16,   # reads p, g (4 + 4), m, v codes (1 + 1); writes p (4), m, v codes (1 + 1); absmax aside
+}
+
+
+def main(cpp_path, peers_path, command):
+    cpp = json.load(open(cpp_path))
+    peers = json.load(open(peers_path))
+    rows = {}
+    bandwidth = None
+    for b in cpp["benchmarks"]:
+        if b.get("aggregate_name") != "median":
+            continue
+        name = b["run_name"].split("/")[0]
+        seconds = b["real_time"] / 1e3  # ms
+        if name == "BM_CopyBandwidth":
+            bandwidth = b["bytes_moved"] / seconds
+            continue
+        rows[name] = {"seconds": seconds, "state": b["state_bytes_per_param"], "floor": b["floor_bytes_per_param"]}
+    labels = {
+        "BM_TorchOptimAdam": "LibTorch torch::optim::Adam (C++)",
+        "BM_TorchFusedAdamW": "LibTorch at::_fused_adamw_ (C++)",
+        "BM_MemsaveAdamW32": "memsave AdamW8bit, fp32 state (fused)",
+        "BM_MemsaveAdamW8bit": "memsave AdamW8bit, 8-bit state",
+    }
+    table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items()]
+    for peer in peers:
+        if "error" in peer:
+            table.append((peer["name"], None, None, None, peer["error"]))
+            continue
+        floor = FLOOR_BYTES["8bit"] if peer["state_bytes_per_param"] < 4 else FLOOR_BYTES["fp32"]
+        table.append((peer["name"], peer["seconds"], peer["state_bytes_per_param"], floor, "its state tensors"))
+    base = rows["BM_TorchOptimAdam"]["seconds"]
+    params = 1 << 24
+    print(f"Command: `{command}`\n")
+    print(f"2^24 fp32 parameters in one tensor, 2 threads, median of 5 repetitions; measured copy bandwidth "
+          f"{bandwidth / 1e9:.1f} GB/s (memcpy, read + write).\n")
+    print("| optimizer | step time | vs torch::optim::Adam | state B/param | counted by | floor B/param | "
+          "floor time | fraction of floor |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, seconds, state, floor, source in table:
+        if seconds is None:
+            print(f"| {name} | did not run | | | {source} | | | |")
+            continue
+        floor_time = floor * params / bandwidth
+        print(f"| {name} | {seconds * 1e3:.2f} ms | {base / seconds:.2f}× | {state:.4f} | {source} | {floor} | "
+              f"{floor_time * 1e3:.2f} ms | {floor_time / seconds:.2f} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
