@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """The Python peers of bench_optim.cpp: one optimizer step on 2^24 fp32 parameters on the CPU, same threads.
 
-Prints a JSON list: name, median seconds per step over repetitions, state bytes per parameter (as the peer's own
-state tensors report them), or the error that kept a peer from running. Called by bench/run_optim_bench.sh.
+Writes a JSON list to OUT: name, median seconds per step over repetitions, state bytes per parameter (as the
+peer's own state tensors report them), or the error that kept a peer from running. (A file, not stdout: some
+peers print to stdout when imported.) Called by bench/run_optim_bench.sh:  peers_optim.py THREADS OUT
 """
 import json
 import statistics
@@ -69,9 +70,11 @@ def peers():
 
 
 def main():
-    threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    threads, out = int(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(threads)
-    print(json.dumps([measure(name, make) for name, make in peers()], indent=1))
+    results = [measure(name, make) for name, make in peers()]
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 MEMSAVE_BENCH_THREADS="$threads" "$root/build/bench/memsave_bench_optim" --benchmark_repetitions=5 \
   --benchmark_report_aggregates_only=true --benchmark_min_time=1 --benchmark_format=json >"$tmp/cpp.json"
-"$root/.venv/bin/python" "$root/bench/peers_optim.py" "$threads" >"$tmp/peers.json" 2>"$tmp/peers.err" ||
-  { cat "$tmp/peers.err" >&2; exit 1; }
+"$root/.venv/bin/python" "$root/bench/peers_optim.py" "$threads" "$tmp/peers.json" >"$tmp/peers.log" 2>&1 ||
+  { cat "$tmp/peers.log" >&2; exit 1; }
 "$root/.venv/bin/python" "$root/bench/optim_report.py" "$tmp/cpp.json" "$tmp/peers.json" \
   "bench/run_optim_bench.sh $threads"

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 
 namespace memsave::kernels {
 namespace {
@@ -10,6 +11,8 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kMaxPerThread = kMaxBlock / kThreads;  // elements of one quantization block per thread
 constexpr std::int64_t kChunk = 4096;                // elements per unit of work for fp32 state
+
+std::atomic<std::int64_t> launches{0};
 
 struct LaunchArgs {
   CudaTensorStep tensor[kMaxLaunchTensors];
@@ -136,6 +139,7 @@ void launch_typed(const CudaStep& step, const LaunchArgs& args, cudaStream_t str
   const std::int64_t units = args.first_unit[args.count];
   if (units == 0) return;
   const int grid = static_cast<int>(std::min<std::int64_t>(units, step.max_blocks));
+  launches.fetch_add(1, std::memory_order_relaxed);
   if (step.quantized) {
     step8_kernel<T, R><<<grid, kThreads, 0, stream>>>(args);
   } else {
@@ -159,6 +163,8 @@ void launch_rule(const CudaStep& step, const LaunchArgs& args, cudaStream_t stre
 }
 
 }  // namespace
+
+std::int64_t cuda_step_launches() { return launches.load(std::memory_order_relaxed); }
 
 int launch_step_cuda(const CudaStep& step, void* stream) {
   const auto cuda_stream = static_cast<cudaStream_t>(stream);

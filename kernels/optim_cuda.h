@@ -45,4 +45,7 @@ struct CudaStep {
 /// Launches the step on `stream` (a cudaStream_t). Returns the cudaError_t of the launches (0 on success).
 int launch_step_cuda(const CudaStep& step, void* stream);
 
+/// Kernel launches made by launch_step_cuda since the program started (tests check one launch per group).
+std::int64_t cuda_step_launches();
+
 }  // namespace memsave::kernels

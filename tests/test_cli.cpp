@@ -63,6 +63,20 @@ TEST(Cli, ReportJsonHasExactBytesThatAddUp) {
   EXPECT_EQ(j["rows"][4]["peak"].get<int64_t>(), j["training_peak"].get<int64_t>());
 }
 
+TEST(Cli, ReportCountsTheStateOf8BitAdamW) {
+  const Result r = invoke_stdout("report --model mlp --batch 4 --optimizer adamw8bit --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  const int64_t params = j["parameters"];
+  // mlp's three weights are quantized (1 + 1 bytes per element, 4 + 4 bytes of absmax per 256); its biases
+  // (2048, 2048, 10 elements) are under 4096 and keep 8 bytes of fp32 state per element
+  const int64_t weights = 784 * 2048 + 2048 * 2048 + 2048 * 10, biases = 2048 + 2048 + 10;
+  const int64_t blocks = (784 * 2048) / 256 + (2048 * 2048) / 256 + (2048 * 10) / 256;
+  EXPECT_EQ(weights + biases, params);
+  EXPECT_EQ(j["breakdown"]["optimizer_state"].get<int64_t>(), 2 * weights + 8 * blocks + 8 * biases);
+  EXPECT_TRUE(j["rules"][1]["holds"].get<bool>()) << j["rules"][1].dump();
+}
+
 TEST(Cli, UnknownModelListsTheValidOnesWithExitCode2) {
   const Result r = invoke("report --model resnet19");
   EXPECT_EQ(r.code, 2) << r.output;

@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   report_cmd->add_option("--optimizer", report.optimizer, "Optimizer")
-      ->check(CLI::IsMember({"sgd", "adam", "adamw"}))
+      ->check(CLI::IsMember(memsave::cli::optimizer_names()))
       ->capture_default_str();
   report_cmd->add_option("--device", report.device, "Device whose pool is measured")
       ->check(CLI::IsMember({"cpu", "cuda"}))

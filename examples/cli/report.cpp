@@ -2,6 +2,8 @@
 
 #include "../zoo/zoo.h"
 
+#include <memsave/optim.h>
+
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -10,13 +12,20 @@
 namespace memsave::cli {
 namespace {
 
+std::string join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
                                                         const std::vector<torch::Tensor>& params) {
   if (name == "sgd")
     return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.01).momentum(0.9));
   if (name == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
   if (name == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
-  TORCH_CHECK(false, "unknown optimizer '", name, "' (valid: sgd, adam, adamw)");
+  if (name == "adamw8bit") return std::make_unique<optim::AdamW8bit>(params, optim::AdamW8bitOptions(1e-3));
+  TORCH_CHECK(false, "unknown optimizer '", name, "' (valid: ", join(optimizer_names()), ")");
 }
 
 void add_row(Report& report, torch::Device device, int64_t peak_since_ready) {
@@ -39,6 +48,8 @@ std::string signed_bytes(int64_t bytes) {
 }
 
 }  // namespace
+
+std::vector<std::string> optimizer_names() { return {"sgd", "adam", "adamw", "adamw8bit"}; }
 
 void run_report(const ReportOptions& options, Report& report) {
   report.options = options;
@@ -92,11 +103,15 @@ void run_report(const ReportOptions& options, Report& report) {
   add_row(report, device, since_ready.peak());
 
   const MemoryBreakdown& parts = *report.breakdown;
-  const double state_multiple = options.optimizer == "sgd" ? 1.0 : 2.0;
+  const double state = ratio(parts.optimizer_state, parts.parameters);
+  Rule state_rule{"Adam state = 2x parameter bytes", 2.0, 2.0, state};
+  if (options.optimizer == "sgd") state_rule = {"momentum = parameter bytes", 1.0, 1.0, state};
+  // 2 bytes of codes and 8 of absmax per 256 elements against 4 bytes of fp32 (more where tensors stay fp32)
+  if (options.optimizer == "adamw8bit")
+    state_rule = {"8-bit Adam state = 0.51x parameter bytes", 0.5, 0.55, state};
   report.rules = {
       {"gradients = parameter bytes", 1.0, 1.0, ratio(parts.gradients, parts.parameters)},
-      {options.optimizer == "sgd" ? "momentum = parameter bytes" : "Adam state = 2x parameter bytes",
-       state_multiple, state_multiple, ratio(parts.optimizer_state, parts.parameters)},
+      state_rule,
       {"training peak = 1.5-2.5x inference peak", 1.5, 2.5,
        ratio(report.training_peak, report.inference_peak)},
   };

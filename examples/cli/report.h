@@ -45,6 +45,9 @@ struct Report {
   std::vector<Rule> rules;
 };
 
+/// The optimizers `report` knows.
+std::vector<std::string> optimizer_names();
+
 /// Runs the stages and fills `report` as it goes, so after an out-of-memory (c10::OutOfMemoryError, thrown
 /// on) it holds the stages that completed.
 void run_report(const ReportOptions& options, Report& report);

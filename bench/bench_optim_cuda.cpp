@@ -1,0 +1,89 @@
+// The GPU step benchmark (run by scripts/gpu-check.sh): one optimizer step on N fp32 parameters (default
+// 10^9) on the current CUDA device: LibTorch's fused AdamW (at::_fused_adamw_) against memsave's AdamW8bit
+// with fp32 and with 8-bit state, and the device's copy bandwidth for the memory floor. Medians of 10 timed
+// steps after 3 warm-up steps. No Google Benchmark: the GPU machine does not have it.
+#include <memsave/memory.h>
+#include <memsave/optim.h>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+namespace {
+
+double median_seconds(const std::function<void()>& step) {
+  for (int i = 0; i < 3; ++i) step();
+  std::vector<double> times;
+  for (int i = 0; i < 10; ++i) {
+    torch::cuda::synchronize();
+    const auto start = std::chrono::steady_clock::now();
+    step();
+    torch::cuda::synchronize();
+    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::nth_element(times.begin(), times.begin() + 5, times.end());
+  return times[5];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (!torch::cuda::is_available()) {
+    std::printf("bench_optim_cuda: no CUDA device\n");
+    return 0;
+  }
+  const int64_t n = argc > 1 ? std::atoll(argv[1]) : 1000000000;
+  const auto on = torch::TensorOptions().device(torch::kCUDA);
+  const torch::Device device(torch::kCUDA, 0);
+  std::printf("device: %s, %lld fp32 parameters\n", at::cuda::getCurrentDeviceProperties()->name,
+              static_cast<long long>(n));
+
+  double bandwidth = 0;
+  {
+    const auto src = torch::rand({n}, on);
+    auto dst = torch::empty_like(src);
+    const double seconds = median_seconds([&] { dst.copy_(src); });
+    bandwidth = 8.0 * static_cast<double>(n) / seconds;
+    std::printf("copy: %.3f ms, %.0f GB/s (read + write)\n", seconds * 1e3, bandwidth / 1e9);
+  }
+  auto report = [&](const char* name, double seconds, double floor_bytes, double baseline,
+                    double state_bytes) {
+    const double floor = floor_bytes * static_cast<double>(n) / bandwidth;
+    std::printf("%-34s %9.3f ms  %5.2fx vs fused AdamW  %.0f%% of copy bandwidth  state %.4f B/param\n", name,
+                seconds * 1e3, baseline / seconds, 100 * floor / seconds, state_bytes);
+  };
+
+  double fused = 0;
+  {
+    auto p = torch::randn({n}, on), g = torch::randn({n}, on) * 1e-2;
+    auto m = torch::zeros_like(p), v = torch::zeros_like(p);
+    auto step = torch::zeros({}, on);
+    torch::NoGradGuard no_grad;
+    fused = median_seconds([&] {
+      step.add_(1);
+      at::_fused_adamw_({p}, {g}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 1e-2, 1e-8, false, false);
+    });
+    report("LibTorch at::_fused_adamw_", fused, 28, fused, 8);
+  }
+  for (const bool quantized : {false, true}) {
+    auto p = torch::randn({n}, on).requires_grad_();
+    p.mutable_grad() = torch::randn({n}, on) * 1e-2;
+    memsave::optim::AdamW8bit opt(
+        std::vector<torch::Tensor>{p},
+        memsave::optim::AdamW8bitOptions(1e-3).min_8bit_size(quantized ? 4096 : n + 1));
+    const int64_t before = memsave::memory_stats(device).current;
+    opt.step();
+    const double state =
+        static_cast<double>(memsave::memory_stats(device).current - before) / static_cast<double>(n);
+    const double seconds = median_seconds([&] { opt.step(); });
+    report(quantized ? "memsave AdamW8bit, 8-bit state" : "memsave AdamW8bit, fp32 state", seconds,
+           quantized ? 16 : 28, fused, state);
+  }
+  return 0;
+}

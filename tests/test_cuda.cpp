@@ -1,0 +1,125 @@
+// CUDA: the meter's device pool and budget, pinned host arena, and the optimizer kernels' launches and scaler
+// inputs. Every test skips at run time without a device.
+#include <memsave/memory.h>
+#include <memsave/optim.h>
+
+#include "../kernels/optim_cuda.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+namespace memsave {
+namespace {
+
+#define SKIP_WITHOUT_CUDA() \
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device"
+
+const torch::Device kCuda(torch::kCUDA, 0);
+
+TEST(CudaMeter, CountsTheCachingAllocatorsBytesExactly) {
+  SKIP_WITHOUT_CUDA();
+  torch::cuda::synchronize();
+  const int64_t before = memory_stats(kCuda).current;
+  {
+    const auto t = torch::empty({1 << 20}, torch::TensorOptions().device(kCuda));  // 4 MiB, a multiple of 512
+    EXPECT_EQ(memory_stats(kCuda).current - before, 4 << 20);
+    PeakScope scope(kCuda);
+    { const auto u = torch::empty({1 << 18}, torch::TensorOptions().device(kCuda)); }
+    EXPECT_EQ(scope.peak() - scope.start(), 1 << 20);
+  }
+  EXPECT_EQ(memory_stats(kCuda).current, before);
+}
+
+TEST(CudaMeter, ABudgetBoundsTheDevicePool) {
+  SKIP_WITHOUT_CUDA();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  {
+    ScopedBudget budget(kCuda, int64_t{256} << 20);
+    EXPECT_EQ(get_budget(kCuda), int64_t{256} << 20);
+    EXPECT_NO_THROW(torch::empty({16 << 20}, torch::TensorOptions().device(kCuda)));  // 64 MiB
+    EXPECT_THROW(torch::empty({128 << 20}, torch::TensorOptions().device(kCuda)),
+                 c10::OutOfMemoryError);  // 512 MiB
+  }
+  EXPECT_FALSE(get_budget(kCuda).has_value());
+  EXPECT_NO_THROW(torch::empty({128 << 20}, torch::TensorOptions().device(kCuda)));
+}
+
+TEST(CudaMeter, TheHostArenaIsPinned) {
+  SKIP_WITHOUT_CUDA();
+  EXPECT_TRUE(host_memory_is_pinned());
+  const auto h = host_empty({1024}, torch::kFloat);
+  EXPECT_TRUE(h.is_pinned());
+  const auto d = h.fill_(3).to(kCuda, /*non_blocking=*/true);
+  EXPECT_EQ(d.sum().item<float>(), 3072.0f);
+}
+
+TEST(CudaOptim, OneLaunchPerGroupOfTensors) {
+  SKIP_WITHOUT_CUDA();
+  std::vector<torch::Tensor> big, small;
+  for (int i = 0; i < 30; ++i)
+    big.push_back(torch::randn({5000}, torch::TensorOptions().device(kCuda)).requires_grad_());
+  for (int i = 0; i < 10; ++i)
+    small.push_back(torch::randn({100}, torch::TensorOptions().device(kCuda)).requires_grad_());
+  std::vector<torch::Tensor> ten(big.begin(), big.begin() + 10);
+  optim::AdamW8bit a(ten);
+  for (auto& p : ten) p.mutable_grad() = torch::randn_like(p);
+  int64_t before = kernels::cuda_step_launches();
+  a.step();
+  EXPECT_EQ(kernels::cuda_step_launches() - before, 1) << "10 tensors of one kind: one launch";
+
+  std::vector<torch::Tensor> all = big;
+  all.insert(all.end(), small.begin(), small.end());
+  optim::AdamW8bit b(all);
+  for (auto& p : all) p.mutable_grad() = torch::randn_like(p);
+  before = kernels::cuda_step_launches();
+  b.step();
+  // 30 quantized tensors: two launches of at most kMaxLaunchTensors; 10 fp32-state tensors: one more
+  EXPECT_EQ(kernels::cuda_step_launches() - before, 3);
+}
+
+TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
+  SKIP_WITHOUT_CUDA();
+  const auto opts = torch::TensorOptions().device(kCuda);
+  auto run = [&](float grad_factor, float inv_scale, float found_inf) {
+    torch::manual_seed(0);
+    auto p = torch::randn({4096}, opts);
+    auto g = torch::randn({4096}, opts) * grad_factor;
+    auto m = torch::full({4096}, 127, opts.dtype(torch::kUInt8)),
+         v = torch::zeros({4096}, opts.dtype(torch::kUInt8));
+    auto am = torch::zeros({16}, opts), av = torch::zeros({16}, opts);
+    auto scale = torch::full({1}, inv_scale, opts), inf = torch::full({1}, found_inf, opts);
+    const auto books =
+        torch::empty({2, static_cast<int64_t>(sizeof(kernels::CodeBook))}, opts.dtype(torch::kUInt8));
+    books[0].copy_(torch::from_blob(const_cast<kernels::CodeBook*>(&kernels::signed_code_book()),
+                                    {static_cast<int64_t>(sizeof(kernels::CodeBook))}, torch::kUInt8));
+    books[1].copy_(torch::from_blob(const_cast<kernels::CodeBook*>(&kernels::unsigned_code_book()),
+                                    {static_cast<int64_t>(sizeof(kernels::CodeBook))}, torch::kUInt8));
+    kernels::CudaTensorStep t;
+    t.param = p.data_ptr();
+    t.grad = g.data_ptr();
+    t.m = m.data_ptr();
+    t.v = v.data_ptr();
+    t.absmax_m = am.data_ptr<float>();
+    t.absmax_v = av.data_ptr<float>();
+    t.numel = 4096;
+    t.scalars = kernels::make_step_scalars(kernels::Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
+    kernels::CudaStep step;
+    step.tensors = &t;
+    step.count = 1;
+    step.signed_book = reinterpret_cast<const kernels::CodeBook*>(books[0].data_ptr());
+    step.unsigned_book = reinterpret_cast<const kernels::CodeBook*>(books[1].data_ptr());
+    step.inv_scale = scale.data_ptr<float>();
+    step.found_inf = inf.data_ptr<float>();
+    EXPECT_EQ(kernels::launch_step_cuda(step, at::cuda::getCurrentCUDAStream().stream()), 0);
+    return p.cpu();
+  };
+  torch::manual_seed(0);
+  const auto start = torch::randn({4096});
+  EXPECT_TRUE(torch::equal(run(1, 1, 0), run(1024, 1.0f / 1024, 0)));  // unscaling by a power of two is exact
+  EXPECT_TRUE(torch::equal(run(1, 1, 1), start)) << "found_inf must leave the parameters unchanged";
+}
+
+}  // namespace
+}  // namespace memsave
