@@ -46,17 +46,18 @@ int main(int argc, char** argv) {
 
   double bandwidth = 0;
   {
-    const auto src = torch::rand({n}, on);
-    auto dst = torch::empty_like(src);
-    const double seconds = median_seconds([&] { dst.copy_(src); });
-    bandwidth = 8.0 * static_cast<double>(n) / seconds;
-    std::printf("copy: %.3f ms, %.0f GB/s (read + write)\n", seconds * 1e3, bandwidth / 1e9);
+    // in place, as an optimizer step: a.add_(b) reads a and b and writes a (12 bytes per element)
+    auto a = torch::rand({n}, on);
+    const auto b = torch::rand({n}, on);
+    const double seconds = median_seconds([&] { a.add_(b); });
+    bandwidth = 12.0 * static_cast<double>(n) / seconds;
+    std::printf("in-place a.add_(b): %.3f ms, %.0f GB/s\n", seconds * 1e3, bandwidth / 1e9);
   }
   auto report = [&](const char* name, double seconds, double floor_bytes, double baseline,
                     double state_bytes) {
     const double floor = floor_bytes * static_cast<double>(n) / bandwidth;
-    std::printf("%-34s %9.3f ms  %5.2fx vs fused AdamW  %.0f%% of copy bandwidth  state %.4f B/param\n", name,
-                seconds * 1e3, baseline / seconds, 100 * floor / seconds, state_bytes);
+    std::printf("%-34s %9.3f ms  %5.2fx vs fused AdamW  %.0f%% of measured bandwidth  state %.4f B/param\n",
+                name, seconds * 1e3, baseline / seconds, 100 * floor / seconds, state_bytes);
   };
 
   double fused = 0;

@@ -19,19 +19,19 @@ using torch::serialize::OutputArchive;
 double read_double(InputArchive& archive, const char* key) {
   c10::IValue value;
   archive.read(key, value);
-  return value.toDouble();
+  return value.to<double>();
 }
 
 int64_t read_int(InputArchive& archive, const char* key) {
   c10::IValue value;
   archive.read(key, value);
-  return value.toInt();
+  return value.to<int64_t>();
 }
 
 bool read_bool(InputArchive& archive, const char* key) {
   c10::IValue value;
   archive.read(key, value);
-  return value.toBool();
+  return value.to<bool>();
 }
 
 void write_betas(OutputArchive& archive, const betas_t& betas) {
