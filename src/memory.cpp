@@ -254,9 +254,13 @@ int64_t unique_storage_bytes(const Tensors& tensors, c10::Device device,
   return bytes;
 }
 
+/// Appends the defined tensors (LibTorch leaves the state it does not use, such as max_exp_avg_sq,
+/// undefined).
 template <typename Tensors>
 void append(std::vector<at::Tensor>& out, const Tensors& tensors) {
-  out.insert(out.end(), tensors.begin(), tensors.end());
+  for (const at::Tensor& t : tensors) {
+    if (t.defined()) out.push_back(t);
+  }
 }
 
 }  // namespace
@@ -272,9 +276,9 @@ std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& o
     } else if (const auto* s = dynamic_cast<const optim::AdamWParamState*>(state)) {
       append(out, std::vector<at::Tensor>{s->exp_avg(), s->exp_avg_sq(), s->max_exp_avg_sq()});
     } else if (const auto* s = dynamic_cast<const optim::SGDParamState*>(state)) {
-      out.push_back(s->momentum_buffer());
+      append(out, std::vector<at::Tensor>{s->momentum_buffer()});
     } else if (const auto* s = dynamic_cast<const optim::AdagradParamState*>(state)) {
-      out.push_back(s->sum());
+      append(out, std::vector<at::Tensor>{s->sum()});
     } else if (const auto* s = dynamic_cast<const optim::RMSpropParamState*>(state)) {
       append(out, std::vector<at::Tensor>{s->square_avg(), s->momentum_buffer(), s->grad_avg()});
     } else if (const auto* s = dynamic_cast<const optim::LBFGSParamState*>(state)) {

@@ -187,6 +187,8 @@ TEST(Breakdown, SplitsATrainingStepAndSumsToTheTotal) {
   model->forward(x).square().mean().backward();
   optimizer.step();
   const MemoryBreakdown parts = breakdown(scope.peak(), model->parameters(), &optimizer, kCPU);
+  for (const auto& t : optimizer_state_tensors(optimizer)) EXPECT_TRUE(t.defined());  // no max_exp_avg_sq
+  EXPECT_EQ(optimizer_state_tensors(optimizer).size(), 2 * model->parameters().size());
   const int64_t param_bytes = bytes_of(model->parameters());
   EXPECT_EQ(param_bytes, 4 * (32 * 64 + 64 + 64 * 10 + 10));
   EXPECT_EQ(parts.parameters, param_bytes);

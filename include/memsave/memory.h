@@ -108,8 +108,8 @@ struct MemoryBreakdown {
 MemoryBreakdown breakdown(int64_t peak, const std::vector<at::Tensor>& parameters,
                           const torch::optim::Optimizer* optimizer, c10::Device device);
 
-/// The state tensors of an optimizer: LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop and LBFGS, and every
-/// optimizer that implements `StateTensors`. Other state types are an error (they would be miscounted).
+/// The defined state tensors of an optimizer: LibTorch's SGD, Adam, AdamW, Adagrad, RMSprop and LBFGS, and
+/// every optimizer that implements `StateTensors`. Other state types are an error (they would be miscounted).
 std::vector<at::Tensor> optimizer_state_tensors(const torch::optim::Optimizer& optimizer);
 
 /// Implemented by memsave's own optimizers so the meter can count their state.
