@@ -1,6 +1,7 @@
 // Every API difference between the LibTorch 2.x versions memsave builds against, in one place.
 #pragma once
 
+#include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <torch/version.h>
 
@@ -28,5 +29,40 @@ class Allocator : public c10::Allocator {
   }
 #endif
 };
+
+/// Autocast state per device type: from 2.4 one function takes the device type; before, one per device.
+inline bool autocast_enabled(c10::DeviceType device) {
+#if MEMSAVE_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == c10::kCPU ? at::autocast::is_cpu_enabled() : at::autocast::is_enabled();
+#endif
+}
+
+inline void set_autocast_enabled(c10::DeviceType device, bool enabled) {
+#if MEMSAVE_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(device, enabled);
+#else
+  device == c10::kCPU ? at::autocast::set_cpu_enabled(enabled) : at::autocast::set_enabled(enabled);
+#endif
+}
+
+inline c10::ScalarType autocast_dtype(c10::DeviceType device) {
+#if MEMSAVE_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == c10::kCPU ? at::autocast::get_autocast_cpu_dtype()
+                             : at::autocast::get_autocast_gpu_dtype();
+#endif
+}
+
+inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
+#if MEMSAVE_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_dtype(device, dtype);
+#else
+  device == c10::kCPU ? at::autocast::set_autocast_cpu_dtype(dtype)
+                      : at::autocast::set_autocast_gpu_dtype(dtype);
+#endif
+}
 
 }  // namespace memsave::compat

@@ -1,5 +1,6 @@
 // memsave: fit LibTorch training in less memory. The umbrella header.
 #pragma once
 
+#include <memsave/amp.h>
 #include <memsave/memory.h>
 #include <memsave/optim.h>

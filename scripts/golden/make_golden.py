@@ -41,6 +41,33 @@ OPTIMIZERS = {
 }
 
 
+SCALER_STEPS = 12
+SCALER_INJECT = {2: float("inf"), 5: float("nan"), 6: float("inf")}  # step -> value put into a gradient
+
+
+def scaler_sequence():
+    """torch.amp.GradScaler on the CPU over 12 steps of SGD with momentum, with infs and a NaN injected."""
+    p = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0, 0.5]))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9, foreach=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_factor=2.0, backoff_factor=0.5,
+                                  growth_interval=3)
+    scales, trackers, stepped, params = [], [], [], []
+    for step in range(1, SCALER_STEPS + 1):
+        opt.zero_grad()
+        loss = (p * p).sum() * 0.5 * step
+        scaler.scale(loss).backward()
+        if step in SCALER_INJECT:
+            p.grad[1] = SCALER_INJECT[step]
+        scaler.step(opt)
+        found = sum(v.item() for v in scaler._per_optimizer_states[id(opt)]["found_inf_per_device"].values())
+        stepped.append(0.0 if found else 1.0)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        trackers.append(float(scaler._get_growth_tracker()))
+        params.extend(p.detach().tolist())
+    return scales, trackers, stepped, params
+
+
 def main():
     import bitsandbytes.functional as F
 
@@ -61,6 +88,11 @@ def main():
         for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if key in state:
                 lines.append(f"{name}.{key}.{STEPS} " + hexes(state[key]))
+    scales, trackers, stepped, params = scaler_sequence()
+    lines.append("scaler.scale " + hexes(torch.tensor(scales)))
+    lines.append("scaler.tracker " + hexes(torch.tensor(trackers)))
+    lines.append("scaler.stepped " + hexes(torch.tensor(stepped)))
+    lines.append("scaler.params " + hexes(torch.tensor(params)))
     with open("tests/data/golden.txt", "w") as out:
         out.write("\n".join(lines) + "\n")
 

@@ -1,0 +1,190 @@
+#include <memsave/amp.h>
+#include <memsave/optim.h>
+
+#include "kernels/golden.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace memsave::amp {
+namespace {
+
+using memsave::testing::golden;
+
+// The sequence of scripts/golden/make_golden.py (scaler_sequence), replayed in C++.
+TEST(GradScaler, ReplaysTorchAmpGradScalerExactly) {
+  auto p = torch::tensor({1.0f, -2.0f, 3.0f, 0.5f}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  GradScaler scaler(
+      GradScalerOptions().init_scale(1024).growth_factor(2).backoff_factor(0.5).growth_interval(3));
+  const auto& scales = golden("scaler.scale");
+  const auto& trackers = golden("scaler.tracker");
+  const auto& stepped = golden("scaler.stepped");
+  const auto& params = golden("scaler.params");
+  for (int step = 1; step <= 12; ++step) {
+    SCOPED_TRACE(step);
+    opt.zero_grad();
+    const auto loss = (p * p).sum() * 0.5 * step;
+    scaler.scale(loss).backward();
+    if (step == 2 || step == 6) p.mutable_grad()[1] = INFINITY;
+    if (step == 5) p.mutable_grad()[1] = NAN;
+    EXPECT_EQ(scaler.step(opt), stepped[step - 1] == 1.0f);
+    scaler.update();
+    EXPECT_EQ(scaler.get_scale(), scales[step - 1]);
+    EXPECT_EQ(scaler.growth_tracker(), static_cast<int64_t>(trackers[step - 1]));
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(p[i].item<float>(), params[(step - 1) * 4 + i], 1e-6);
+  }
+}
+
+TEST(GradScaler, AnInfSkipsTheStepAndLeavesEverythingBitIdentical) {
+  auto p = torch::randn({5000}).requires_grad_();
+  optim::AdamW8bit opt(std::vector<torch::Tensor>{p});
+  GradScaler scaler;
+  // one clean step so the optimizer has state
+  scaler.scale(p.sum()).backward();
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
+  const auto params = p.detach().clone();
+  const auto state = opt.state_fp32(p);
+  opt.zero_grad();
+  scaler.scale((p * 2).sum()).backward();
+  p.mutable_grad()[17] = INFINITY;
+  EXPECT_FALSE(scaler.step(opt));
+  EXPECT_TRUE(torch::equal(p.detach(), params));
+  EXPECT_TRUE(torch::equal(opt.state_fp32(p)[0], state[0]));
+  EXPECT_TRUE(torch::equal(opt.state_fp32(p)[1], state[1]));
+  scaler.update();
+  EXPECT_EQ(scaler.get_scale(), 65536.0 / 2);
+  EXPECT_EQ(scaler.growth_tracker(), 0);
+}
+
+TEST(GradScaler, GrowsExactlyAfterTheIntervalAndNeverToInfinity) {
+  auto p = torch::ones({4}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.0));
+  GradScaler scaler(GradScalerOptions().init_scale(3e38).growth_interval(2));
+  for (int i = 1; i <= 4; ++i) {
+    opt.zero_grad();
+    scaler.scale(p.sum()).backward();
+    scaler.step(opt);
+    scaler.update();
+    // float32 cannot hold 6e38: growth is refused and the tracker restarts
+    EXPECT_EQ(scaler.get_scale(), static_cast<double>(3e38f));
+    EXPECT_EQ(scaler.growth_tracker(), i % 2);
+  }
+  GradScaler small(GradScalerOptions().init_scale(8).growth_interval(2));
+  for (int i = 1; i <= 4; ++i) {
+    opt.zero_grad();
+    small.scale(p.sum()).backward();
+    small.step(opt);
+    small.update();
+  }
+  EXPECT_EQ(small.get_scale(), 32.0);
+  small.update(0.25);
+  EXPECT_EQ(small.get_scale(), 0.25);
+}
+
+TEST(GradScaler, UnscaleGivesTrueGradientsForClipping) {
+  auto p = torch::tensor({3.0f, 4.0f}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(1.0));
+  GradScaler scaler;
+  scaler.scale((p * p).sum() * 0.5).backward();
+  EXPECT_TRUE(torch::equal(p.grad(), torch::tensor({3.0f, 4.0f}) * 65536));
+  scaler.unscale_(opt);
+  EXPECT_TRUE(torch::equal(p.grad(), torch::tensor({3.0f, 4.0f})));
+  torch::nn::utils::clip_grad_norm_(std::vector<torch::Tensor>{p}, 1.0);  // true norm 5 -> 1
+  EXPECT_NEAR(p.grad().norm().item<double>(), 1.0, 1e-6);
+  EXPECT_TRUE(scaler.step(opt));  // does not unscale again
+  EXPECT_TRUE(torch::allclose(p.detach(), torch::tensor({3.0f - 0.6f, 4.0f - 0.8f}), 1e-6, 1e-6));
+}
+
+TEST(GradScaler, MisuseIsAnErrorThatChangesNothing) {
+  auto p = torch::ones({4}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1));
+  GradScaler scaler;
+  p.mutable_grad() = torch::ones({4});
+  EXPECT_THROW(scaler.step(opt), c10::Error);  // never scaled
+  EXPECT_TRUE(torch::equal(p.detach(), torch::ones({4})));
+  scaler.scale(p.sum()).backward();
+  scaler.unscale_(opt);
+  EXPECT_THROW(scaler.unscale_(opt), c10::Error);  // twice
+  scaler.step(opt);
+  EXPECT_THROW(scaler.step(opt), c10::Error);      // step twice
+  EXPECT_THROW(scaler.unscale_(opt), c10::Error);  // after step
+  scaler.update();
+
+  auto h = torch::ones({4}, torch::kHalf).requires_grad_();
+  torch::optim::SGD half_opt(std::vector<torch::Tensor>{h}, torch::optim::SGDOptions(0.1));
+  scaler.scale(h.sum()).backward();
+  const auto grad = h.grad().clone();
+  EXPECT_THROW(scaler.unscale_(half_opt), c10::Error);  // fp16 master gradients
+  EXPECT_TRUE(torch::equal(h.grad(), grad));
+
+  EXPECT_THROW(GradScaler(GradScalerOptions().growth_factor(1.0)), c10::Error);
+  EXPECT_THROW(GradScaler(GradScalerOptions().backoff_factor(1.0)), c10::Error);
+  EXPECT_THROW(GradScaler(GradScalerOptions().backoff_factor(0.0)), c10::Error);
+  EXPECT_THROW(GradScaler(GradScalerOptions().growth_interval(0)), c10::Error);
+}
+
+TEST(GradScaler, StateRoundTripsThroughAnArchive) {
+  auto p = torch::ones({4}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1));
+  GradScaler a(GradScalerOptions().init_scale(512).growth_interval(5));
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    a.scale(p.sum()).backward();
+    a.step(opt);
+    a.update();
+  }
+  torch::serialize::OutputArchive out;
+  a.serialize(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  GradScaler b;
+  torch::serialize::InputArchive in;
+  std::istringstream read(bytes.str());
+  in.load_from(read);
+  b.serialize(in);
+  EXPECT_EQ(b.get_scale(), 512.0);
+  EXPECT_EQ(b.growth_tracker(), 3);
+  EXPECT_EQ(b.options().growth_interval(), 5);
+}
+
+TEST(GradScaler, DisabledPassesThrough) {
+  auto p = torch::ones({4}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.5));
+  GradScaler scaler(GradScalerOptions().enabled(false));
+  const auto loss = p.sum();
+  EXPECT_TRUE(scaler.scale(loss).is_same(loss));
+  loss.backward();
+  EXPECT_TRUE(scaler.step(opt));
+  scaler.update();
+  EXPECT_TRUE(torch::equal(p.detach(), torch::full({4}, 0.5f)));
+  EXPECT_EQ(scaler.get_scale(), 1.0);
+}
+
+TEST(Autocast, RunsMatmulsInBFloat16OnTheCpuAndRestoresTheState) {
+  const auto a = torch::randn({8, 8}), b = torch::randn({8, 8});
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
+  {
+    Autocast outer(torch::kCPU, torch::kBFloat16);
+    const auto y = torch::mm(a, b);
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    // losses stay in fp32 (autocast's CPU fp32 list)
+    const auto target = torch::randint(8, {8}, torch::kLong);
+    EXPECT_EQ(torch::nn::functional::cross_entropy(y, target).scalar_type(), torch::kFloat);
+    EXPECT_EQ(torch::mse_loss(y, a).scalar_type(), torch::kFloat);
+    {
+      Autocast inner(torch::kCPU, torch::kBFloat16, /*enabled=*/false);
+      EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
+    }
+    EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
+  }
+  EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
+  EXPECT_THROW(Autocast(torch::kCPU, torch::kHalf), c10::Error);
+}
+
+}  // namespace
+}  // namespace memsave::amp
