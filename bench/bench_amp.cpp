@@ -1,0 +1,79 @@
+// bf16 autocast against fp32 on the CPU: peak memory (the meter, split by memsave::breakdown) and step time
+// of a training step (forward under autocast, backward, AdamW step), same model, batch and seed, one
+// invocation.
+//   build/bench/memsave_bench_amp [--steps N]
+#include <memsave/amp.h>
+#include <memsave/memory.h>
+
+#include "zoo/zoo.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+struct Result {
+  memsave::MemoryBreakdown parts;
+  double seconds = 0;
+};
+
+Result run(const std::string& model, int64_t batch, bool bf16, int steps) {
+  torch::manual_seed(0);
+  const memsave::zoo::Workload w = memsave::zoo::workload(model);
+  auto net = w.make_model();
+  const auto data = w.make_batch(batch, torch::kCPU);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-4));
+  std::vector<double> times;
+  Result result;
+  for (int s = 0; s <= steps; ++s) {  // step 0 creates the optimizer state and is not timed
+    memsave::PeakScope scope(torch::kCPU);
+    const auto start = std::chrono::steady_clock::now();
+    opt.zero_grad();
+    torch::Tensor loss;
+    {
+      memsave::amp::Autocast autocast(torch::kCPU, torch::kBFloat16, /*enabled=*/bf16);
+      loss = w.loss(net->forward(data.input), data.target);
+    }
+    loss.backward();
+    opt.step();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s > 0) times.push_back(seconds);
+    result.parts = memsave::breakdown(scope.peak(), net->parameters(), &opt, torch::kCPU);
+  }
+  std::sort(times.begin(), times.end());
+  result.seconds = times[times.size() / 2];
+  return result;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int steps = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--steps") == 0) steps = std::max(1, std::atoi(argv[i + 1]));
+  }
+  std::printf("threads %d, median of %d timed steps after one untimed\n\n", at::get_num_threads(), steps);
+  std::printf(
+      "| model | batch | precision | peak | activations and other | step time | activations vs fp32 | "
+      "time vs fp32 |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |\n");
+  const std::pair<const char*, int64_t> cases[] = {{"gpt-tiny", 32}, {"resnet50", 8}};
+  for (const auto& [model, batch] : cases) {
+    const Result fp32 = run(model, batch, false, steps);
+    const Result bf16 = run(model, batch, true, steps);
+    for (const auto* r : {&fp32, &bf16}) {
+      std::printf("| %s | %lld | %s | %s | %s | %.3f s | %.2f× | %.2f× |\n", model,
+                  static_cast<long long>(batch), r == &fp32 ? "fp32" : "bf16 autocast",
+                  memsave::format_bytes(r->parts.total).c_str(),
+                  memsave::format_bytes(r->parts.other).c_str(), r->seconds,
+                  static_cast<double>(r->parts.other) / static_cast<double>(fp32.parts.other),
+                  r->seconds / fp32.seconds);
+    }
+  }
+  return 0;
+}
