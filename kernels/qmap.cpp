@@ -106,7 +106,7 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes) {
       if (slot == 0 || up_from < lo || up_from > hi) {
         throw std::invalid_argument("make_code_book: a code boundary falls outside its search cell");
       }
-      threshold = float_bits(up_from) & 0xffffu;
+      threshold = to_bits(up_from) & 0xffffu;
     } else if (last != first) {
       throw std::invalid_argument("make_code_book: codes too dense for the search table near " +
                                   std::to_string(lo));

@@ -14,11 +14,11 @@
 // them to 0.
 #pragma once
 
+#include "dtypes.h"
 #include "host_device.h"
 
 #include <array>
 #include <cstdint>
-#include <cstring>
 
 namespace memsave::kernels {
 
@@ -39,19 +39,9 @@ struct CodeBook {
   std::int32_t is_signed;  ///< 1: symmetric signed book (code 127 is 0); 0: unsigned book (code 0 is 0)
 };
 
-MEMSAVE_HD std::uint32_t float_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  std::uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-#endif
-}
-
 /// The exact nearest code of x (see the file comment for ties, NaN and range).
 MEMSAVE_HD std::uint8_t quantize(const CodeBook& book, float x) {
-  const std::uint32_t bits = float_bits(x);
+  const std::uint32_t bits = to_bits(x);
   const std::uint32_t magnitude = bits & 0x7fffffffu;
   std::int32_t exponent = static_cast<std::int32_t>(magnitude >> 23);
   std::uint32_t mantissa = (magnitude >> (23 - kLutMantissaBits)) & ((1u << kLutMantissaBits) - 1u);

@@ -85,43 +85,38 @@ torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& cod
 // ---- options
 // -----------------------------------------------------------------------------------------------
 
-void Adam8bitOptions::serialize(OutputArchive& archive) const {
-  archive.write("lr", lr());
-  write_betas(archive, betas());
-  archive.write("eps", eps());
-  archive.write("weight_decay", weight_decay());
-  archive.write("block_size", block_size());
-  archive.write("min_8bit_size", min_8bit_size());
+// Adam8bitOptions and AdamW8bitOptions hold the same fields (only a default differs): one body for both.
+template <typename Options>
+void write_adam(OutputArchive& archive, const Options& o) {
+  archive.write("lr", o.lr());
+  write_betas(archive, o.betas());
+  archive.write("eps", o.eps());
+  archive.write("weight_decay", o.weight_decay());
+  archive.write("block_size", o.block_size());
+  archive.write("min_8bit_size", o.min_8bit_size());
 }
-void Adam8bitOptions::serialize(InputArchive& archive) {
-  lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
-  weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
-  min_8bit_size(read_int(archive, "min_8bit_size"));
+
+template <typename Options>
+void read_adam(InputArchive& archive, Options& o) {
+  o.lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
+  o.weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
+  o.min_8bit_size(read_int(archive, "min_8bit_size"));
 }
-bool operator==(const Adam8bitOptions& a, const Adam8bitOptions& b) {
+
+template <typename Options>
+bool same_adam(const Options& a, const Options& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
          a.weight_decay() == b.weight_decay() && a.block_size() == b.block_size() &&
          a.min_8bit_size() == b.min_8bit_size();
 }
 
-void AdamW8bitOptions::serialize(OutputArchive& archive) const {
-  archive.write("lr", lr());
-  write_betas(archive, betas());
-  archive.write("eps", eps());
-  archive.write("weight_decay", weight_decay());
-  archive.write("block_size", block_size());
-  archive.write("min_8bit_size", min_8bit_size());
-}
-void AdamW8bitOptions::serialize(InputArchive& archive) {
-  lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
-  weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
-  min_8bit_size(read_int(archive, "min_8bit_size"));
-}
-bool operator==(const AdamW8bitOptions& a, const AdamW8bitOptions& b) {
-  return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
-         a.weight_decay() == b.weight_decay() && a.block_size() == b.block_size() &&
-         a.min_8bit_size() == b.min_8bit_size();
-}
+void Adam8bitOptions::serialize(OutputArchive& archive) const { write_adam(archive, *this); }
+void Adam8bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
+bool operator==(const Adam8bitOptions& a, const Adam8bitOptions& b) { return same_adam(a, b); }
+
+void AdamW8bitOptions::serialize(OutputArchive& archive) const { write_adam(archive, *this); }
+void AdamW8bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
+bool operator==(const AdamW8bitOptions& a, const AdamW8bitOptions& b) { return same_adam(a, b); }
 
 void Lion8bitOptions::serialize(OutputArchive& archive) const {
   archive.write("lr", lr());

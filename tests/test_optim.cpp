@@ -215,8 +215,11 @@ TEST(EightBit, SaveAndLoadRoundTripExactly) {
     q.mutable_grad() = torch::randn_like(q);
     a.step();
   }
-  AdamW8bit b(std::vector<torch::Tensor>{p, q}, AdamW8bitOptions(1e-3).block_size(128));
+  AdamW8bit b(std::vector<torch::Tensor>{p, q}, AdamW8bitOptions(5e-2).weight_decay(0.5).block_size(128));
   load(b, saved(a));
+  using O = AdamW8bitOptions;
+  EXPECT_TRUE(static_cast<const O&>(b.param_groups()[0].options()) ==
+              static_cast<const O&>(a.param_groups()[0].options()));  // the options come back too
   for (const auto& t : {p, q}) {
     const auto& sa = static_cast<QuantizedParamState&>(*a.state().at(t.unsafeGetTensorImpl()));
     const auto& sb = static_cast<QuantizedParamState&>(*b.state().at(t.unsafeGetTensorImpl()));
