@@ -1,5 +1,6 @@
 // Fused optimizer steps on the CPU: one pass over memory, single-threaded over a range (the caller splits the
-// work across threads), vectorized by the compiler for the best instruction set the processor has.
+// work across threads), built for AVX-512, AVX2 and baseline x86-64 and chosen at run time (intrinsics for
+// the code-book look-ups, the compiler's vectorizer for the update math).
 #pragma once
 
 #include "dtypes.h"

@@ -1,10 +1,10 @@
 // The 8-bit code books and the exact nearest-code search, shared by the CPU and CUDA kernels.
 //
-// A code book holds 256 sorted float values in [-1, 1]. A value x (already divided by its block's absmax)
-// gets the code whose value is nearest to x in exact arithmetic. Ties (x exactly halfway between two codes)
-// go to the code nearer zero. NaN and values beyond ±1 are clamped to the ends of the book: a block holding a
-// NaN or an infinity has a non-finite absmax, so it dequantizes to non-finite values and the fault stays
-// visible.
+// A code book holds 256 sorted float values in [-1, 1]. A value x (already scaled by 1 / its block's absmax,
+// see block_scale) gets the code whose value is nearest to x in exact arithmetic. Ties (x exactly halfway
+// between two codes) go to the code nearer zero. NaN and values beyond ±1 are clamped to the ends of the
+// book: a block holding a NaN or an infinity has a non-finite absmax, so it dequantizes to non-finite values
+// and the fault stays visible.
 //
 // The search is one table look-up and one integer comparison. The magnitude's exponent and top 7 mantissa
 // bits index a table (one cell per 1/128 of a binade); each entry holds the lowest code any magnitude in its

@@ -110,6 +110,14 @@ bool same_adam(const Options& a, const Options& b) {
          a.min_8bit_size() == b.min_8bit_size();
 }
 
+template <typename Hyper, typename Options>
+Hyper adam_hyper(const Options& o) {
+  Hyper h;
+  h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  return h;
+}
+
 void Adam8bitOptions::serialize(OutputArchive& archive) const { write_adam(archive, *this); }
 void Adam8bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
 bool operator==(const Adam8bitOptions& a, const Adam8bitOptions& b) { return same_adam(a, b); }
@@ -170,18 +178,15 @@ void QuantizedParamState::serialize(OutputArchive& archive) const {
 }
 
 void QuantizedParamState::serialize(InputArchive& archive) {
+  auto tensor = [&](const char* key) {  // v and the absmaxes are absent for some states
+    torch::Tensor value;
+    return archive.try_read(key, value, /*is_buffer=*/true) ? value : torch::Tensor();
+  };
   step(read_int(archive, "step"));
   block_size(read_int(archive, "block_size"));
-  torch::Tensor t;
-  archive.read("m", t, /*is_buffer=*/true);
-  m(t);
-  for (const char* key : {"v", "absmax_m", "absmax_v"}) {
-    torch::Tensor value;
-    if (!archive.try_read(key, value, /*is_buffer=*/true)) value = torch::Tensor();
-    if (std::string(key) == "v") v(value);
-    if (std::string(key) == "absmax_m") absmax_m(value);
-    if (std::string(key) == "absmax_v") absmax_v(value);
-  }
+  torch::Tensor codes;
+  archive.read("m", codes, /*is_buffer=*/true);
+  m(codes).v(tensor("v")).absmax_m(tensor("absmax_m")).absmax_v(tensor("absmax_v"));
 }
 
 bool operator==(const QuantizedParamState& a, const QuantizedParamState& b) {
@@ -526,11 +531,7 @@ Adam8bit::Adam8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups,
   check(hyper(defaults), Kind::kAdam);
 }
 LowBitOptimizer::Hyper Adam8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  const auto& o = static_cast<const Adam8bitOptions&>(options);
-  Hyper h;
-  h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
-  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
-  return h;
+  return adam_hyper<Hyper>(static_cast<const Adam8bitOptions&>(options));
 }
 
 AdamW8bit::AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamW8bitOptions defaults)
@@ -538,11 +539,7 @@ AdamW8bit::AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& group
   check(hyper(defaults), Kind::kAdamW);
 }
 LowBitOptimizer::Hyper AdamW8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  const auto& o = static_cast<const AdamW8bitOptions&>(options);
-  Hyper h;
-  h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
-  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
-  return h;
+  return adam_hyper<Hyper>(static_cast<const AdamW8bitOptions&>(options));
 }
 
 Lion8bit::Lion8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Lion8bitOptions defaults)
