@@ -2,5 +2,6 @@
 #pragma once
 
 #include <memsave/amp.h>
+#include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 #include <memsave/optim.h>

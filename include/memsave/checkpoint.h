@@ -1,0 +1,131 @@
+// Activation checkpointing for LibTorch: run a piece of the forward pass without keeping its graph, and
+// recompute it during backward.
+//
+//   auto net = memsave::nn::checkpoint_sequential(make_layers(), /*segments=*/4);   // a whole model
+//   auto block = memsave::nn::Checkpoint(DecoderBlock(config));                     // one module
+//   auto y = memsave::checkpoint(*block, [&](at::TensorList x) {                   // any callable
+//     return std::vector<torch::Tensor>{block->forward(x[0], x[1])};
+//   }, {x, mask});
+//
+// Gradients are bit-identical to running without checkpointing: the recomputation replays the forward's RNG
+// state (dropout masks) and autocast state, and the parameters used are inputs of the autograd node, so they
+// receive gradients even when no input requires grad, through `backward()` and `torch::autograd::grad` alike.
+// Buffers the module updates in place (BatchNorm running statistics) change once per forward, not again in
+// the recomputation. Without grad mode (and, for the module wrappers, in eval()) nothing is checkpointed.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/pimpl.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace memsave {
+
+struct CheckpointOptions {
+  /// Save the CPU generator and the CUDA generators of the devices involved, and replay them in the
+  /// recomputation, so random operations (dropout) give the same result twice.
+  TORCH_ARG(bool, preserve_rng_state) = true;
+  /// Check that the recomputation returns as many tensors as the forward, with the same shapes, dtypes and
+  /// devices; an error names the first difference.
+  TORCH_ARG(bool, check_recompute) = true;
+  /// Keep the saved inputs in host memory (memsave's host arena, pinned with asynchronous copies on CUDA)
+  /// instead of on their device, and copy them back for the recomputation.
+  TORCH_ARG(bool, offload_inputs) = false;
+};
+
+/// What a checkpointed callable computes: tensors in, at least one tensor out. Non-tensor arguments are bound
+/// in the callable.
+using CheckpointFunction = std::function<std::vector<torch::Tensor>(at::TensorList inputs)>;
+
+/// Runs `fn(inputs)` without keeping its graph and recomputes it in backward. The parameters `fn` uses are
+/// found in the graph of its forward (which lives only while `fn` runs) and become inputs of the autograd
+/// node, so they receive gradients even when no input requires grad, tied or not. `owner` is the module whose
+/// buffers `fn` updates in place (they are restored after the recomputation) and whose device the inputs must
+/// be on. A tensor that requires grad and was computed outside `fn` must be passed in `inputs`: capturing it
+/// is an error.
+std::vector<torch::Tensor> checkpoint(const torch::nn::Module& owner, const CheckpointFunction& fn,
+                                      at::TensorList inputs, const CheckpointOptions& options = {});
+/// As above, for a callable that updates no buffers.
+std::vector<torch::Tensor> checkpoint(const CheckpointFunction& fn, at::TensorList inputs,
+                                      const CheckpointOptions& options = {});
+
+namespace nn {
+
+/// Wraps a module with a `Tensor forward(Tensor)` so that its forward is checkpointed. The wrapped module is
+/// a registered child ("module"): parameters(), to(), train()/eval() and serialization see through.
+class CheckpointImpl : public torch::nn::Module {
+ public:
+  template <typename ModuleType>
+  explicit CheckpointImpl(std::shared_ptr<ModuleType> module, CheckpointOptions options = {})
+      : options_(options) {
+    TORCH_CHECK(module != nullptr, "Checkpoint: module is empty");
+    register_module("module", module);
+    forward_ = [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
+  }
+  template <typename ModuleType>
+  explicit CheckpointImpl(torch::nn::ModuleHolder<ModuleType> module, CheckpointOptions options = {})
+      : CheckpointImpl(module.ptr(), options) {}
+
+  torch::Tensor forward(const torch::Tensor& input);
+  void pretty_print(std::ostream& stream) const override;
+
+  const CheckpointOptions& options() const { return options_; }
+
+ private:
+  std::function<torch::Tensor(const torch::Tensor&)> forward_;
+  CheckpointOptions options_;
+};
+TORCH_MODULE(Checkpoint);
+
+/// Decides, for each element of a Sequential, whether its activations are kept (true) or recomputed (false).
+using KeepPolicy = std::function<bool(const std::string& name, const torch::nn::Module& layer)>;
+
+/// A Sequential whose elements are run in segments; each segment is either stored (run normally) or
+/// recomputed (checkpointed as one piece).
+/// NOTE: the layers are shared with the Sequential it was built from, so parameters are the same tensors and
+/// saving either module saves the same values (the names here carry the prefix "sequential.").
+class CheckpointSequentialImpl : public torch::nn::Module {
+ public:
+  /// Half-open range of element indices and whether it is recomputed.
+  struct Segment {
+    size_t begin;
+    size_t end;
+    bool recompute;
+  };
+
+  CheckpointSequentialImpl(torch::nn::Sequential sequential, std::vector<Segment> segments,
+                           CheckpointOptions options = {});
+
+  torch::Tensor forward(torch::Tensor input);
+  void pretty_print(std::ostream& stream) const override;
+
+  const std::vector<Segment>& segments() const { return segments_; }
+  const torch::nn::Sequential& sequential() const { return sequential_; }
+
+ private:
+  torch::nn::Sequential sequential_;
+  std::vector<Segment> segments_;
+  CheckpointOptions options_;
+};
+TORCH_MODULE(CheckpointSequential);
+
+/// Cuts `sequential` into `segments` contiguous pieces of near-equal length. Every piece but the last is
+/// recomputed; the last is stored, since backward needs its activations at once (as torch.utils.checkpoint's
+/// checkpoint_sequential). `segments` equal to the number of elements recomputes every layer.
+CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
+                                           CheckpointOptions options = {});
+/// Keeps the elements for which `keep` is true, and recomputes each run of consecutive other elements as one
+/// piece.
+CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, const KeepPolicy& keep,
+                                           CheckpointOptions options = {});
+
+/// The usual per-layer policy: keep the outputs of the layers that are expensive to recompute (Linear,
+/// convolutions, Embedding, MultiheadAttention, and any element whose name contains one of `also_keep`);
+/// recompute the rest (normalizations, activations, pooling, dropout, and composite blocks).
+KeepPolicy keep_compute_heavy(std::vector<std::string> also_keep = {});
+
+}  // namespace nn
+}  // namespace memsave

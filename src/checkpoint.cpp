@@ -1,0 +1,467 @@
+#include "memsave/checkpoint.h"
+
+#include "compat.h"
+#include "memsave/memory.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
+#include <ATen/SequenceNumber.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/custom_class.h>
+#include <torch/nn/modules.h>
+
+#include <algorithm>
+#include <mutex>
+#include <ostream>
+#include <unordered_set>
+#include <utility>
+
+namespace memsave {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+/// The autocast state of one device type, as the forward saw it.
+struct AutocastState {
+  c10::DeviceType device;
+  bool enabled;
+  c10::ScalarType dtype;
+
+  static AutocastState of(c10::DeviceType device) {
+    return {device, compat::autocast_enabled(device), compat::autocast_dtype(device)};
+  }
+  void apply() const {
+    compat::set_autocast_enabled(device, enabled);
+    compat::set_autocast_dtype(device, dtype);
+  }
+};
+
+/// Replays the forward's autocast state for its lifetime (CPU and CUDA), with the same cache rule as the
+/// Autocast guard: the outermost level clears the cache of casted weights when it ends.
+class ReplayAutocast {
+ public:
+  explicit ReplayAutocast(const std::vector<AutocastState>& forward) {
+    for (const AutocastState& state : forward) {
+      previous_.push_back(AutocastState::of(state.device));
+      state.apply();
+    }
+    at::autocast::increment_nesting();
+  }
+  ~ReplayAutocast() {
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    for (const AutocastState& state : previous_) state.apply();
+  }
+  ReplayAutocast(const ReplayAutocast&) = delete;
+  ReplayAutocast& operator=(const ReplayAutocast&) = delete;
+
+ private:
+  std::vector<AutocastState> previous_;
+};
+
+/// The state of the default generators of some devices (the CPU's and the CUDA devices').
+struct RngState {
+  std::vector<std::pair<at::Generator, at::Tensor>> states;
+
+  static RngState capture(const std::vector<c10::Device>& cuda_devices) {
+    RngState saved;
+    saved.add(at::detail::getDefaultCPUGenerator());
+    for (const c10::Device& device : cuda_devices) saved.add(at::globalContext().defaultGenerator(device));
+    return saved;
+  }
+  void restore() const {
+    for (auto [generator, state] : states) {  // a Generator is a handle: the copy is the same generator
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      generator.set_state(state);
+    }
+  }
+
+ private:
+  void add(at::Generator generator) {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    states.emplace_back(generator, generator.get_state());
+  }
+};
+
+/// Sets the generators to the forward's state for its lifetime and then puts back what they had.
+class ReplayRng {
+ public:
+  ReplayRng(const RngState* forward, const std::vector<c10::Device>& cuda_devices) {
+    if (forward == nullptr) return;
+    current_ = RngState::capture(cuda_devices);
+    forward->restore();
+  }
+  ~ReplayRng() { current_.restore(); }
+  ReplayRng(const ReplayRng&) = delete;
+  ReplayRng& operator=(const ReplayRng&) = delete;
+
+ private:
+  RngState current_;
+};
+
+/// Puts buffers back to their values at construction when it ends: a recomputation must not update BatchNorm
+/// running statistics a second time.
+class RestoreBuffers {
+ public:
+  explicit RestoreBuffers(const std::vector<at::Tensor>& buffers) : buffers_(buffers) {
+    torch::NoGradGuard no_grad;
+    for (const at::Tensor& buffer : buffers_) saved_.push_back(buffer.clone());
+  }
+  ~RestoreBuffers() {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < buffers_.size(); ++i) buffers_[i].copy_(saved_[i]);
+  }
+  RestoreBuffers(const RestoreBuffers&) = delete;
+  RestoreBuffers& operator=(const RestoreBuffers&) = delete;
+
+ private:
+  const std::vector<at::Tensor>& buffers_;
+  std::vector<at::Tensor> saved_;
+};
+
+struct TensorMeta {
+  std::vector<int64_t> sizes;
+  c10::ScalarType dtype;
+  c10::Device device;
+};
+
+/// Everything the backward needs to recompute the forward, shared by the autograd node.
+struct Recompute : torch::CustomClassHolder {
+  CheckpointFunction fn;
+  CheckpointOptions options;
+  size_t num_inputs = 0;
+  std::vector<bool> input_requires_grad;
+  std::vector<at::Tensor> parameters;
+  std::vector<at::Tensor> buffers;
+  std::vector<c10::Device> cuda_devices;
+  std::vector<AutocastState> autocast;
+  std::optional<RngState> rng;
+  std::vector<TensorMeta> outputs;
+  /// What the forward computed, handed to the autograd node.
+  std::vector<at::Tensor> forward_outputs;
+  /// The inputs in host memory, with the devices they came from (offload_inputs).
+  std::vector<at::Tensor> host_inputs;
+  std::vector<c10::Device> input_devices;
+};
+
+std::vector<at::Tensor> run(const CheckpointFunction& fn, at::TensorList inputs) {
+  std::vector<at::Tensor> outputs = fn(inputs);
+  TORCH_CHECK(!outputs.empty(), "checkpoint: the function returned no tensor");
+  for (size_t i = 0; i < outputs.size(); ++i)
+    TORCH_CHECK(outputs[i].defined(), "checkpoint: output ", i, " of the function is an undefined tensor");
+  return outputs;
+}
+
+void check_recompute(const Recompute& r, const std::vector<at::Tensor>& outputs) {
+  TORCH_CHECK(outputs.size() == r.outputs.size(), "checkpoint: the recomputation returned ", outputs.size(),
+              " tensors but the forward returned ", r.outputs.size(),
+              " (the function must compute the same thing twice)");
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const TensorMeta& forward = r.outputs[i];
+    TORCH_CHECK(outputs[i].sizes().vec() == forward.sizes && outputs[i].scalar_type() == forward.dtype &&
+                    outputs[i].device() == forward.device,
+                "checkpoint: output ", i, " of the recomputation is ", outputs[i].scalar_type(), " ",
+                outputs[i].sizes(), " on ", outputs[i].device(), " but the forward gave ", forward.dtype, " ",
+                c10::IntArrayRef(forward.sizes), " on ", forward.device,
+                " (the function must compute the same thing twice)");
+  }
+}
+
+/// The leaves that require grad in the graph behind `outputs`, other than `inputs`: the parameters the
+/// function used, each once, whether or not the module that registers them is known. A graph node made before
+/// `first_node` (a tensor computed outside the function and captured by it) is an error: its gradient would
+/// be lost, and the recomputation would differentiate through the caller's graph.
+std::vector<at::Tensor> leaves_behind(const std::vector<at::Tensor>& outputs,
+                                      const std::vector<at::Tensor>& inputs, uint64_t first_node) {
+  std::unordered_set<const c10::TensorImpl*> known;
+  for (const at::Tensor& t : inputs) known.insert(t.unsafeGetTensorImpl());
+  std::vector<at::Tensor> leaves;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const at::Tensor& out : outputs)
+    if (out.grad_fn()) stack.push_back(out.grad_fn().get());
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
+      if (known.insert(leaf->variable.unsafeGetTensorImpl()).second) leaves.push_back(leaf->variable);
+      continue;
+    }
+    TORCH_CHECK(node->sequence_nr() >= first_node,
+                "checkpoint: the function uses a tensor that requires grad and ",
+                "was computed outside it (by ", node->name(),
+                "); its gradient would be lost. Pass it as one of the inputs");
+    for (const torch::autograd::Edge& edge : node->next_edges())
+      if (edge.function) stack.push_back(edge.function.get());
+  }
+  return leaves;
+}
+
+class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
+ public:
+  /// Returns the outputs the caller computed (`r->forward_outputs`, without their graph) and saves what the
+  /// recomputation needs.
+  static variable_list forward(AutogradContext* ctx, c10::intrusive_ptr<Recompute> r,
+                               at::TensorList tensors) {
+    const at::TensorList inputs = tensors.slice(0, r->num_inputs);
+    std::vector<at::Tensor> outputs = std::move(r->forward_outputs);
+    for (const at::Tensor& out : outputs) {
+      r->outputs.push_back({out.sizes().vec(), out.scalar_type(), out.device()});
+      if (!at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type()))
+        ctx->mark_non_differentiable({out});
+    }
+    if (r->options.offload_inputs()) {
+      for (const at::Tensor& x : inputs) {
+        at::Tensor host = host_empty(x.sizes(), x.scalar_type());
+        host.copy_(x, /*non_blocking=*/x.is_cuda());
+        r->host_inputs.push_back(std::move(host));
+        r->input_devices.push_back(x.device());
+      }
+    } else {
+      ctx->save_for_backward(inputs.vec());
+    }
+    ctx->set_materialize_grads(false);
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(std::move(r));
+    return outputs;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
+    const bool create_graph = at::GradMode::is_enabled();
+
+    std::vector<at::Tensor> inputs;
+    if (r->options.offload_inputs()) {
+      for (size_t i = 0; i < r->host_inputs.size(); ++i)
+        inputs.push_back(r->host_inputs[i].to(r->input_devices[i], /*non_blocking=*/true));
+    } else {
+      inputs = ctx->get_saved_variables();
+    }
+    for (size_t i = 0; i < inputs.size(); ++i)
+      inputs[i] = inputs[i].detach().requires_grad_(r->input_requires_grad[i]);
+
+    // NOTE: the buffers are put back only after the gradients are computed: BatchNorm's backward checks the
+    // version of the running statistics it saved.
+    RestoreBuffers buffers(r->buffers);
+    std::vector<at::Tensor> outputs;
+    const uint64_t first_node = at::sequence_number::peek();
+    {
+      torch::AutoGradMode grad_mode(true);
+      ReplayRng rng(r->rng ? &*r->rng : nullptr, r->cuda_devices);
+      ReplayAutocast autocast(r->autocast);
+      outputs = run(r->fn, inputs);
+    }
+    if (r->options.check_recompute()) check_recompute(*r, outputs);
+
+    std::vector<at::Tensor> differentiated, seeds;
+    for (size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
+      if (grad_outputs[i].defined() && outputs[i].requires_grad()) {
+        differentiated.push_back(outputs[i]);
+        seeds.push_back(grad_outputs[i]);
+      }
+    }
+    std::vector<at::Tensor> targets;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (r->input_requires_grad[i]) targets.push_back(inputs[i]);
+    const std::vector<at::Tensor> extra = leaves_behind(differentiated, inputs, first_node);
+    std::unordered_set<const c10::TensorImpl*> parameters;
+    for (const at::Tensor& p : r->parameters) parameters.insert(p.unsafeGetTensorImpl());
+    for (const at::Tensor& leaf : extra)
+      TORCH_CHECK(parameters.count(leaf.unsafeGetTensorImpl()),
+                  "checkpoint: the recomputation uses a tensor of ", "shape ", leaf.sizes(),
+                  " that requires grad but the forward did not use (the function must ",
+                  "compute the same thing twice)");
+    targets.insert(targets.end(), r->parameters.begin(), r->parameters.end());
+
+    std::vector<at::Tensor> grads(targets.size());
+    if (!differentiated.empty())
+      grads =
+          torch::autograd::grad(differentiated, targets, seeds, /*retain_graph=*/create_graph, create_graph,
+                                /*allow_unused=*/true);
+
+    // One gradient per forward argument: none for the Recompute, then the inputs, then the parameters.
+    variable_list result{at::Tensor()};
+    size_t next = 0;
+    for (size_t i = 0; i < inputs.size(); ++i)
+      result.push_back(r->input_requires_grad[i] ? grads[next++] : at::Tensor());
+    for (size_t i = 0; i < r->parameters.size(); ++i) result.push_back(grads[next++]);
+    return result;
+  }
+};
+
+void add_device(std::vector<c10::Device>& cuda_devices, const at::Tensor& t) {
+  if (t.is_cuda() && std::find(cuda_devices.begin(), cuda_devices.end(), t.device()) == cuda_devices.end())
+    cuda_devices.push_back(t.device());
+}
+
+/// Runs `fn` once with its graph to learn which parameters it uses (they become inputs of the autograd node,
+/// so their gradients flow through it), keeps the values and drops the graph. The graph of one piece lives
+/// only while that piece runs: no longer than the recomputation will hold it in backward.
+std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_parameters,
+                                        std::vector<at::Tensor> buffers, const CheckpointFunction& fn,
+                                        at::TensorList inputs, const CheckpointOptions& options) {
+  TORCH_CHECK(fn, "checkpoint: fn is empty");
+  for (size_t i = 0; i < inputs.size(); ++i)
+    TORCH_CHECK(inputs[i].defined(), "checkpoint: input ", i, " is an undefined tensor");
+  if (!owner_parameters.empty()) {
+    const c10::Device device = owner_parameters.front().device();
+    for (size_t i = 0; i < inputs.size(); ++i)
+      TORCH_CHECK(inputs[i].device() == device, "checkpoint: input ", i, " is on ", inputs[i].device(),
+                  " but the module's parameters are on ", device);
+  }
+  // Without grad mode nothing will be differentiated: no graph to save, nothing to recompute.
+  if (!at::GradMode::is_enabled()) return run(fn, inputs);
+
+  auto r = c10::make_intrusive<Recompute>();
+  r->fn = fn;
+  r->options = options;
+  r->num_inputs = inputs.size();
+  r->buffers = std::move(buffers);
+  std::vector<at::Tensor> leaves;
+  for (const at::Tensor& x : inputs) {
+    r->input_requires_grad.push_back(x.requires_grad());
+    leaves.push_back(x.detach().requires_grad_(x.requires_grad()));
+    add_device(r->cuda_devices, x);
+  }
+  for (const at::Tensor& p : owner_parameters) add_device(r->cuda_devices, p);
+  if (options.preserve_rng_state()) r->rng = RngState::capture(r->cuda_devices);
+  r->autocast = {AutocastState::of(c10::kCPU), AutocastState::of(c10::kCUDA)};
+
+  const uint64_t first_node = at::sequence_number::peek();
+  std::vector<at::Tensor> outputs = run(fn, leaves);
+  r->parameters = leaves_behind(outputs, leaves, first_node);
+  for (const at::Tensor& p : r->parameters)
+    TORCH_CHECK(
+        !r->rng || !p.is_cuda() ||
+            std::find(r->cuda_devices.begin(), r->cuda_devices.end(), p.device()) != r->cuda_devices.end(),
+        "checkpoint: the function uses a parameter on ", p.device(),
+        " but none of its inputs is there; pass the module as owner so its generator state is saved");
+  const bool needs_grad =
+      !r->parameters.empty() ||
+      std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) { return x.requires_grad(); });
+  if (!needs_grad) return outputs;
+  for (at::Tensor& out : outputs) out = out.detach();  // drops the graph: only the values are kept
+  r->forward_outputs = std::move(outputs);
+
+  std::vector<at::Tensor> tensors(inputs.begin(), inputs.end());
+  tensors.insert(tensors.end(), r->parameters.begin(), r->parameters.end());
+  return CheckpointNode::apply(std::move(r), at::TensorList(tensors));
+}
+
+}  // namespace
+
+std::vector<at::Tensor> checkpoint(const torch::nn::Module& owner, const CheckpointFunction& fn,
+                                   at::TensorList inputs, const CheckpointOptions& options) {
+  return checkpoint_impl(owner.parameters(), owner.buffers(), fn, inputs, options);
+}
+
+std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn, at::TensorList inputs,
+                                   const CheckpointOptions& options) {
+  return checkpoint_impl({}, {}, fn, inputs, options);
+}
+
+namespace nn {
+
+torch::Tensor CheckpointImpl::forward(const torch::Tensor& input) {
+  if (!is_training()) return forward_(input);
+  auto fn = [this](at::TensorList x) { return std::vector<at::Tensor>{forward_(x[0])}; };
+  return checkpoint(*this, fn, {input}, options_)[0];
+}
+
+void CheckpointImpl::pretty_print(std::ostream& stream) const { stream << "memsave::nn::Checkpoint"; }
+
+CheckpointSequentialImpl::CheckpointSequentialImpl(torch::nn::Sequential sequential,
+                                                   std::vector<Segment> segments, CheckpointOptions options)
+    : sequential_(std::move(sequential)), segments_(std::move(segments)), options_(options) {
+  TORCH_CHECK(!sequential_.is_empty() && sequential_->size() > 0,
+              "checkpoint_sequential: sequential is empty");
+  size_t next = 0;
+  for (const Segment& s : segments_) {
+    TORCH_CHECK(s.begin == next && s.end > s.begin && s.end <= sequential_->size(),
+                "CheckpointSequential: segment [", s.begin, ", ", s.end, ") does not continue at ", next,
+                " inside the ", sequential_->size(), " elements");
+    next = s.end;
+  }
+  TORCH_CHECK(next == sequential_->size(), "CheckpointSequential: the segments cover ", next, " of ",
+              sequential_->size(), " elements");
+  register_module("sequential", sequential_);
+}
+
+torch::Tensor CheckpointSequentialImpl::forward(torch::Tensor x) {
+  const bool checkpointing = is_training() && at::GradMode::is_enabled();
+  const std::vector<at::Tensor> parameters = checkpointing ? this->parameters() : std::vector<at::Tensor>{};
+  for (const Segment& s : segments_) {
+    auto run_segment = [this, s](at::TensorList in) {
+      at::Tensor y = in[0];
+      for (size_t i = s.begin; i < s.end; ++i) y = sequential_->begin()[i].forward(y);
+      return std::vector<at::Tensor>{y};
+    };
+    if (!checkpointing || !s.recompute) {
+      x = run_segment({x})[0];
+      continue;
+    }
+    std::vector<at::Tensor> buffers;
+    for (size_t i = s.begin; i < s.end; ++i) {
+      const auto own = sequential_->ptr(i)->buffers();
+      buffers.insert(buffers.end(), own.begin(), own.end());
+    }
+    x = checkpoint_impl(parameters, std::move(buffers), run_segment, {x}, options_)[0];
+  }
+  return x;
+}
+
+void CheckpointSequentialImpl::pretty_print(std::ostream& stream) const {
+  stream << "memsave::nn::CheckpointSequential(";
+  for (size_t i = 0; i < segments_.size(); ++i)
+    stream << (i ? ", " : "") << (segments_[i].recompute ? "recompute [" : "keep [") << segments_[i].begin
+           << ", " << segments_[i].end << ")";
+  stream << ")";
+}
+
+CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
+                                           CheckpointOptions options) {
+  TORCH_CHECK(!sequential.is_empty() && sequential->size() > 0, "checkpoint_sequential: sequential is empty");
+  const auto n = static_cast<int64_t>(sequential->size());
+  TORCH_CHECK(segments >= 1 && segments <= n, "checkpoint_sequential: segments must be in [1, ", n,
+              "] (the number of elements), got ", segments);
+  std::vector<CheckpointSequentialImpl::Segment> plan;
+  for (int64_t k = 0; k < segments; ++k) {
+    const auto begin = static_cast<size_t>(k * n / segments),
+               end = static_cast<size_t>((k + 1) * n / segments);
+    plan.push_back({begin, end, /*recompute=*/k + 1 < segments});
+  }
+  return CheckpointSequential(std::move(sequential), std::move(plan), options);
+}
+
+CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, const KeepPolicy& keep,
+                                           CheckpointOptions options) {
+  TORCH_CHECK(!sequential.is_empty() && sequential->size() > 0, "checkpoint_sequential: sequential is empty");
+  TORCH_CHECK(keep, "checkpoint_sequential: the keep policy is empty");
+  std::vector<CheckpointSequentialImpl::Segment> plan;
+  const auto children = sequential->named_children();
+  for (size_t i = 0; i < children.size(); ++i) {
+    const bool recompute = !keep(children[i].key(), *children[i].value());
+    if (!plan.empty() && plan.back().recompute == recompute && recompute)
+      plan.back().end = i + 1;
+    else
+      plan.push_back({i, i + 1, recompute});
+  }
+  return CheckpointSequential(std::move(sequential), std::move(plan), options);
+}
+
+KeepPolicy keep_compute_heavy(std::vector<std::string> also_keep) {
+  return [also_keep = std::move(also_keep)](const std::string& name, const torch::nn::Module& layer) {
+    for (const std::string& part : also_keep)
+      if (name.find(part) != std::string::npos) return true;
+    namespace tnn = torch::nn;
+    return layer.as<tnn::Linear>() || layer.as<tnn::Bilinear>() || layer.as<tnn::Conv1d>() ||
+           layer.as<tnn::Conv2d>() || layer.as<tnn::Conv3d>() || layer.as<tnn::ConvTranspose1d>() ||
+           layer.as<tnn::ConvTranspose2d>() || layer.as<tnn::ConvTranspose3d>() ||
+           layer.as<tnn::Embedding>() || layer.as<tnn::MultiheadAttention>();
+  };
+}
+
+}  // namespace nn
+}  // namespace memsave

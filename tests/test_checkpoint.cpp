@@ -1,0 +1,338 @@
+#include <memsave/amp.h>
+#include <memsave/checkpoint.h>
+#include <memsave/memory.h>
+
+#include "zoo/zoo.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <functional>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace memsave {
+namespace {
+
+namespace tnn = torch::nn;
+using memsave::nn::checkpoint_sequential;
+
+/// Two models with the same weights: the reference and the one to wrap.
+std::pair<tnn::Sequential, tnn::Sequential> twins(const std::function<tnn::Sequential()>& make) {
+  torch::manual_seed(7);
+  auto a = make();
+  torch::manual_seed(7);
+  auto b = make();
+  return {a, b};
+}
+
+std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& parameters) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : parameters) out.push_back(p.grad().defined() ? p.grad().clone() : torch::Tensor());
+  return out;
+}
+
+void expect_bit_identical(const std::vector<torch::Tensor>& expected,
+                          const std::vector<torch::Tensor>& actual) {
+  ASSERT_EQ(expected.size(), actual.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    SCOPED_TRACE("tensor " + std::to_string(i));
+    ASSERT_EQ(expected[i].defined(), actual[i].defined());
+    if (expected[i].defined()) {
+      EXPECT_TRUE(torch::equal(expected[i], actual[i]));
+    }
+  }
+}
+
+/// One forward and backward from the same RNG state; returns the parameters' gradients and the input's.
+template <typename Model>
+std::vector<torch::Tensor> train_step(Model& model, const torch::Tensor& input,
+                                      const std::function<torch::Tensor(const torch::Tensor&)>& loss) {
+  const auto x = input.is_floating_point() ? input.clone().requires_grad_() : input;
+  torch::manual_seed(11);
+  loss(model->forward(x)).backward();
+  auto g = grads_of(model->parameters());
+  if (x.requires_grad()) g.push_back(x.grad().clone());
+  return g;
+}
+
+torch::Tensor sum_squares(const torch::Tensor& y) { return y.square().sum(); }
+
+tnn::Sequential mlp() { return zoo::mlp(32, 64, 10); }
+
+tnn::Sequential cnn_with_batchnorm_and_dropout() {
+  return tnn::Sequential(tnn::Conv2d(tnn::Conv2dOptions(3, 8, 3).padding(1)), tnn::BatchNorm2d(8),
+                         tnn::ReLU(), tnn::Dropout(0.3), tnn::Conv2d(tnn::Conv2dOptions(8, 8, 3).padding(1)),
+                         tnn::BatchNorm2d(8), tnn::ReLU(), tnn::Dropout2d(0.2), tnn::Flatten(),
+                         tnn::Linear(8 * 6 * 6, 5));
+}
+
+tnn::Sequential transformer() {
+  return zoo::gpt(zoo::GPTConfig().vocab_size(50).context(12).layers(3).heads(2).width(16).dropout(0.1));
+}
+
+TEST(Checkpoint, SequentialGradientsAreBitIdenticalOnMLP) {
+  for (int64_t segments : {1, 2, 3, 5}) {
+    SCOPED_TRACE(segments);
+    auto [plain, wrapped] = twins(mlp);
+    auto net = checkpoint_sequential(wrapped, segments);
+    const auto x = torch::randn({16, 32});
+    expect_bit_identical(train_step(plain, x, sum_squares), train_step(net, x, sum_squares));
+  }
+}
+
+TEST(Checkpoint, CNNWithBatchNormAndDropoutIsBitIdenticalAndUpdatesStatisticsOnce) {
+  auto [plain, wrapped] = twins(cnn_with_batchnorm_and_dropout);
+  auto net = checkpoint_sequential(wrapped, 10);  // every layer
+  const auto x = torch::randn({4, 3, 6, 6});
+  expect_bit_identical(train_step(plain, x, sum_squares), train_step(net, x, sum_squares));
+  // Running statistics and the batch counter moved exactly as in the plain model: once.
+  expect_bit_identical(plain->buffers(), wrapped->buffers());
+  for (const auto& pair : wrapped->named_buffers())
+    if (pair.key().find("num_batches_tracked") != std::string::npos) {
+      EXPECT_EQ(pair.value().item<int64_t>(), 1);
+    }
+}
+
+TEST(Checkpoint, TransformerWithDropoutAndTiedWeightsIsBitIdentical) {
+  const auto tokens = torch::randint(50, {3, 12}, torch::kLong);
+  auto loss = [&](const torch::Tensor& logits) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, 50}), tokens.reshape({-1}));
+  };
+  for (int64_t segments : {2, 6}) {
+    SCOPED_TRACE(segments);
+    auto [plain, wrapped] = twins(transformer);
+    auto net = checkpoint_sequential(wrapped, segments);
+    expect_bit_identical(train_step(plain, tokens, loss), train_step(net, tokens, loss));
+  }
+  auto [plain, wrapped] = twins(transformer);
+  auto net = checkpoint_sequential(wrapped, nn::keep_compute_heavy({"head"}));
+  expect_bit_identical(train_step(plain, tokens, loss), train_step(net, tokens, loss));
+}
+
+TEST(Checkpoint, KeepPolicyRecomputesRunsOfCheapLayers) {
+  auto net = checkpoint_sequential(cnn_with_batchnorm_and_dropout(), nn::keep_compute_heavy());
+  using Segment = nn::CheckpointSequentialImpl::Segment;
+  const std::vector<std::tuple<size_t, size_t, bool>> expected = {
+      {0, 1, false}, {1, 4, true}, {4, 5, false}, {5, 9, true}, {9, 10, false}};
+  ASSERT_EQ(net->segments().size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const Segment& s = net->segments()[i];
+    EXPECT_EQ(std::make_tuple(s.begin, s.end, s.recompute), expected[i]) << i;
+  }
+}
+
+TEST(Checkpoint, GradientsReachParametersWhenNoInputRequiresGrad) {
+  // A frozen embedding feeds a checkpointed block: the block's parameters still get their gradients.
+  auto make = [] {
+    return tnn::Sequential(tnn::Embedding(20, 8), tnn::Linear(8, 8), tnn::Tanh(), tnn::Linear(8, 3));
+  };
+  auto [plain, wrapped] = twins(make);
+  for (auto* net : {&plain, &wrapped}) (*net)[0]->parameters()[0].requires_grad_(false);
+  auto net = checkpoint_sequential(wrapped, 2);  // recomputes [embedding, linear]; keeps [tanh, linear]
+  const auto tokens = torch::randint(20, {5}, torch::kLong);
+  const auto expected = train_step(plain, tokens, sum_squares);
+  const auto actual = train_step(net, tokens, sum_squares);
+  expect_bit_identical(expected, actual);
+  EXPECT_TRUE(wrapped[1]->parameters()[0].grad().defined());
+
+  // The same through the module wrapper, whose input never requires grad.
+  torch::manual_seed(3);
+  auto linear = tnn::Linear(4, 2);
+  auto reference = tnn::Linear(4, 2);
+  {
+    torch::NoGradGuard no_grad;
+    reference->weight.copy_(linear->weight);
+    reference->bias.copy_(linear->bias);
+  }
+  nn::Checkpoint wrapper(linear);
+  const auto x = torch::randn({3, 4});
+  wrapper->forward(x).square().sum().backward();
+  reference->forward(x).square().sum().backward();
+  EXPECT_TRUE(torch::equal(linear->weight.grad(), reference->weight.grad()));
+  EXPECT_TRUE(torch::equal(linear->bias.grad(), reference->bias.grad()));
+}
+
+TEST(Checkpoint, WorksWithAutogradGrad) {
+  auto [plain, wrapped] = twins(mlp);
+  auto net = checkpoint_sequential(wrapped, 3);
+  const auto x = torch::randn({8, 32});
+  const auto expected = torch::autograd::grad({plain->forward(x).square().sum()}, plain->parameters());
+  const auto actual = torch::autograd::grad({net->forward(x).square().sum()}, net->parameters());
+  expect_bit_identical(expected, actual);
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());  // grad() accumulates nothing
+}
+
+TEST(Checkpoint, NestedCheckpointsAreBitIdentical) {
+  auto [plain, wrapped] = twins(mlp);
+  // The outer checkpoint covers the whole MLP; inside it, each Linear is checkpointed again.
+  auto inner = tnn::Sequential();
+  for (size_t i = 0; i < wrapped->size(); ++i) {
+    if (wrapped[i]->as<tnn::Linear>())
+      inner->push_back(nn::Checkpoint(std::dynamic_pointer_cast<tnn::LinearImpl>(wrapped->ptr(i))));
+    else
+      inner->push_back(tnn::ReLU());
+  }
+  nn::Checkpoint outer(inner);
+  const auto x = torch::randn({4, 32});
+  expect_bit_identical(train_step(plain, x, sum_squares), train_step(outer, x, sum_squares));
+}
+
+TEST(Checkpoint, ModuleWrapperSeesThroughToTheChild) {
+  auto linear = tnn::Linear(3, 2);
+  nn::Checkpoint wrapper(linear);
+  ASSERT_EQ(wrapper->parameters().size(), 2u);
+  EXPECT_TRUE(wrapper->named_parameters().contains("module.weight"));
+  wrapper->eval();
+  EXPECT_FALSE(linear->is_training());
+  wrapper->to(torch::kDouble);
+  EXPECT_EQ(linear->weight.scalar_type(), torch::kDouble);
+
+  std::stringstream stream;
+  torch::save(wrapper, stream);
+  nn::Checkpoint loaded(tnn::Linear(3, 2));
+  loaded->to(torch::kDouble);
+  torch::load(loaded, stream);
+  EXPECT_TRUE(torch::equal(loaded->parameters()[0], linear->weight));
+}
+
+TEST(Checkpoint, CostsNothingInEvalOrWithoutGrad) {
+  install_meter();
+  auto [plain, wrapped] = twins(mlp);
+  auto net = checkpoint_sequential(wrapped, 3);
+  const auto x = torch::randn({8, 32});
+  {
+    torch::NoGradGuard no_grad;
+    EXPECT_TRUE(torch::equal(plain->forward(x), net->forward(x)));
+  }
+  net->eval();
+  const auto y = net->forward(x);
+  EXPECT_TRUE(y.grad_fn() != nullptr);
+  EXPECT_EQ(y.grad_fn()->name(), plain->forward(x).grad_fn()->name());  // no checkpoint node on top
+}
+
+TEST(Checkpoint, ReplaysTheForwardsAutocastState) {
+  auto [plain, wrapped] = twins(mlp);
+  auto net = checkpoint_sequential(wrapped, 3);
+  const auto x = torch::randn({8, 32});
+  auto step = [&](auto& model) {
+    torch::Tensor y;
+    {
+      amp::Autocast autocast(torch::kCPU, torch::kBFloat16);
+      y = model->forward(x);
+    }
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    y.to(torch::kFloat).square().sum().backward();  // backward outside the guard, as in a training loop
+    return grads_of(model->parameters());
+  };
+  expect_bit_identical(step(plain), step(net));
+}
+
+TEST(Checkpoint, FunctionalFormWithSeveralInputsAndOutputs) {
+  auto a = torch::randn({4, 3}, torch::requires_grad());
+  auto b = torch::randn({4, 3}, torch::requires_grad());
+  auto fn = [](at::TensorList in) {
+    return std::vector<torch::Tensor>{(in[0] * in[1]).sin(), in[0].exp() + in[1], torch::argmax(in[0], 1)};
+  };
+  auto out = checkpoint(fn, {a, b});
+  ASSERT_EQ(out.size(), 3u);
+  EXPECT_FALSE(out[2].requires_grad());
+  (out[0].sum() + out[1].square().sum()).backward();
+  auto ga = a.grad().clone(), gb = b.grad().clone();
+  a.mutable_grad().reset();
+  b.mutable_grad().reset();
+  auto ref = fn({a, b});
+  (ref[0].sum() + ref[1].square().sum()).backward();
+  EXPECT_TRUE(torch::equal(ga, a.grad()));
+  EXPECT_TRUE(torch::equal(gb, b.grad()));
+}
+
+TEST(Checkpoint, OffloadedInputsLiveInTheHostArenaAndGiveTheSameGradients) {
+  install_meter();
+  auto [plain, wrapped] = twins(mlp);
+  auto net = checkpoint_sequential(wrapped, 5, CheckpointOptions().offload_inputs(true));
+  const auto x = torch::randn({64, 32});
+  const auto expected = train_step(plain, x, sum_squares);
+  reset_host_peak();
+  const int64_t host_before = host_memory_stats().current;
+  const auto actual = train_step(net, x, sum_squares);
+  expect_bit_identical(expected, actual);
+  // Four recomputed segments kept their inputs in the host arena: x [64, 32] and three [64, 64] floats.
+  EXPECT_EQ(host_memory_stats().peak - host_before, 64 * 32 * 4 + 3 * 64 * 64 * 4);
+  EXPECT_EQ(host_memory_stats().current, host_before);
+}
+
+TEST(Checkpoint, PeakActivationMemoryFallsWithSegments) {
+  install_meter();
+  // 16 × (Linear, Tanh) of width 256 on 4096 rows: each layer output is 4 MiB, each weight 256 KiB, so
+  // activations dominate. Without checkpointing each Tanh keeps its output (which the next Linear keeps as
+  // its input): 16 outputs. With k segments the forward keeps k - 1 segment inputs plus the last segment's
+  // 16/k outputs, and backward holds one recomputed segment (16/k outputs) at a time: k - 1 + 16/k, least at
+  // k = 4. Backward adds a few outputs' worth of gradients in flight either way.
+  auto make = [] {
+    tnn::Sequential s;
+    for (int i = 0; i < 16; ++i) {
+      s->push_back(tnn::Linear(256, 256));
+      s->push_back(tnn::Tanh());
+    }
+    return s;
+  };
+  const auto x = torch::randn({4096, 256});
+  const int64_t out = 4096 * 256 * 4;
+  auto activation_peak = [&](int64_t segments) {
+    torch::manual_seed(1);
+    tnn::Sequential model = make();
+    auto net = segments == 0 ? nullptr : checkpoint_sequential(model, segments).ptr();
+    for (auto& p : model->parameters())
+      p.mutable_grad() = torch::zeros_like(p);  // gradients outside the peak
+    PeakScope scope(torch::kCPU);
+    auto y = net ? net->forward(x) : model->forward(x);
+    y.sum().backward();
+    y = torch::Tensor();
+    return static_cast<double>(scope.peak() - scope.start()) / out;
+  };
+  const double none = activation_peak(0), two = activation_peak(2), four = activation_peak(4),
+               eight = activation_peak(8);
+  std::cout << "peak in layer outputs: none " << none << ", 2 segments " << two << ", 4 segments " << four
+            << ", 8 segments " << eight << "\n";
+  const double in_flight = none - 16;
+  EXPECT_GE(in_flight, 0);
+  EXPECT_LE(in_flight, 4);
+  EXPECT_NEAR(two, 1 + 8 + in_flight, 1.5);
+  EXPECT_NEAR(four, 3 + 4 + in_flight, 1.5);
+  EXPECT_NEAR(eight, 7 + 2 + in_flight, 1.5);
+  EXPECT_LT(four, two);
+  EXPECT_LT(four, eight);
+}
+
+TEST(Checkpoint, CapturedLeafTensorsGetTheirGradients) {
+  auto x = torch::randn({4}, torch::requires_grad());
+  auto w = torch::randn({4}, torch::requires_grad());  // captured, not passed: found in the forward's graph
+  checkpoint([&](at::TensorList in) { return std::vector<torch::Tensor>{(in[0] * w).sin()}; }, {x})[0]
+      .sum()
+      .backward();
+  EXPECT_TRUE(torch::equal(w.grad(), (x * w).cos().detach() * x.detach()));
+  EXPECT_TRUE(torch::equal(x.grad(), (x * w).cos().detach() * w.detach()));
+}
+
+TEST(CheckpointErrors, CapturedTensorComputedOutsideTheFunction) {
+  auto x = torch::randn({4}, torch::requires_grad());
+  auto w = torch::randn({4}, torch::requires_grad());
+  auto hidden = w * 2;  // has a graph of its own: its gradient could not flow back through the checkpoint
+  try {
+    checkpoint([&](at::TensorList in) { return std::vector<torch::Tensor>{in[0] * hidden}; }, {x});
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("was computed outside it"), std::string::npos) << e.what();
+  }
+}
+
+TEST(CheckpointErrors, BadSegmentCounts) {
+  EXPECT_THROW(checkpoint_sequential(mlp(), 0), c10::Error);
+  EXPECT_THROW(checkpoint_sequential(mlp(), 6), c10::Error);
+  EXPECT_THROW(checkpoint_sequential(tnn::Sequential(), 1), c10::Error);
+}
+
+}  // namespace
+}  // namespace memsave
