@@ -436,14 +436,16 @@ CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int
 }
 
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, const KeepPolicy& keep,
-                                           CheckpointOptions options) {
+                                           int64_t max_run, CheckpointOptions options) {
   TORCH_CHECK(!sequential.is_empty() && sequential->size() > 0, "checkpoint_sequential: sequential is empty");
   TORCH_CHECK(keep, "checkpoint_sequential: the keep policy is empty");
+  TORCH_CHECK(max_run >= 0, "checkpoint_sequential: max_run must be >= 0 (0: no limit), got ", max_run);
   std::vector<CheckpointSequentialImpl::Segment> plan;
   const auto children = sequential->named_children();
   for (size_t i = 0; i < children.size(); ++i) {
     const bool recompute = !keep(children[i].key(), *children[i].value());
-    if (!plan.empty() && plan.back().recompute == recompute && recompute)
+    if (!plan.empty() && plan.back().recompute && recompute &&
+        (max_run == 0 || plan.back().end - plan.back().begin < static_cast<size_t>(max_run)))
       plan.back().end = i + 1;
     else
       plan.push_back({i, i + 1, recompute});

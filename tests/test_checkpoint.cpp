@@ -123,6 +123,15 @@ TEST(Checkpoint, KeepPolicyRecomputesRunsOfCheapLayers) {
   }
 }
 
+TEST(Checkpoint, KeepPolicyCutsRunsToMaxRun) {
+  auto net = checkpoint_sequential(
+      cnn_with_batchnorm_and_dropout(), [](const std::string&, const tnn::Module&) { return false; }, 3);
+  ASSERT_EQ(net->segments().size(), 4u);  // 10 elements in pieces of 3, 3, 3, 1
+  EXPECT_EQ(net->segments()[3].begin, 9u);
+  for (const auto& s : net->segments()) EXPECT_TRUE(s.recompute);
+  EXPECT_THROW(checkpoint_sequential(mlp(), nn::keep_compute_heavy(), -1), c10::Error);
+}
+
 TEST(Checkpoint, GradientsReachParametersWhenNoInputRequiresGrad) {
   // A frozen embedding feeds a checkpointed block: the block's parameters still get their gradients.
   auto make = [] {

@@ -126,17 +126,14 @@ struct TokenEmbeddingImpl : nn::Module {
 };
 TORCH_MODULE(TokenEmbedding);
 
-struct DecoderBlockImpl : nn::Module {
-  explicit DecoderBlockImpl(const GPTConfig& c)
+/// The attention half of a pre-norm decoder block: x + drop(proj(attention(ln(x)))).
+struct AttentionResidualImpl : nn::Module {
+  explicit AttentionResidualImpl(const GPTConfig& c)
       : heads(c.heads()),
         dropout(c.dropout()),
         ln1(register_module("ln1", nn::LayerNorm(nn::LayerNormOptions({c.width()})))),
         c_attn(register_module("c_attn", nn::Linear(c.width(), 3 * c.width()))),
         attn_proj(register_module("attn_proj", nn::Linear(c.width(), c.width()))),
-        ln2(register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({c.width()})))),
-        c_fc(register_module("c_fc", nn::Linear(c.width(), 4 * c.width()))),
-        mlp_proj(register_module("mlp_proj", nn::Linear(4 * c.width(), c.width()))),
-        gelu(register_module("gelu", nn::GELU(nn::GELUOptions().approximate("tanh")))),
         drop(register_module("drop", nn::Dropout(c.dropout()))) {
     TORCH_CHECK(c.width() % c.heads() == 0, "gpt: width ", c.width(), " is not divisible by heads ",
                 c.heads());
@@ -148,8 +145,7 @@ struct DecoderBlockImpl : nn::Module {
     const double p = is_training() ? dropout : 0.0;
     auto y = at::scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], {}, p, /*is_causal=*/true);
     y = y.transpose(1, 2).reshape({batch, time, width});
-    auto h = x + drop(attn_proj(y));
-    return h + drop(mlp_proj(gelu(c_fc(ln2(h)))));
+    return x + drop(attn_proj(y));
   }
 
   int64_t heads;
@@ -157,13 +153,28 @@ struct DecoderBlockImpl : nn::Module {
   nn::LayerNorm ln1;
   nn::Linear c_attn;
   nn::Linear attn_proj;
+  nn::Dropout drop;
+};
+TORCH_MODULE(AttentionResidual);
+
+/// The MLP half of a pre-norm decoder block: x + drop(proj(gelu(fc(ln(x))))), 4× width inside.
+struct MLPResidualImpl : nn::Module {
+  explicit MLPResidualImpl(const GPTConfig& c)
+      : ln2(register_module("ln2", nn::LayerNorm(nn::LayerNormOptions({c.width()})))),
+        c_fc(register_module("c_fc", nn::Linear(c.width(), 4 * c.width()))),
+        mlp_proj(register_module("mlp_proj", nn::Linear(4 * c.width(), c.width()))),
+        gelu(register_module("gelu", nn::GELU(nn::GELUOptions().approximate("tanh")))),
+        drop(register_module("drop", nn::Dropout(c.dropout()))) {}
+
+  torch::Tensor forward(const torch::Tensor& x) { return x + drop(mlp_proj(gelu(c_fc(ln2(x))))); }
+
   nn::LayerNorm ln2;
   nn::Linear c_fc;
   nn::Linear mlp_proj;
   nn::GELU gelu;
   nn::Dropout drop;
 };
-TORCH_MODULE(DecoderBlock);
+TORCH_MODULE(MLPResidual);
 
 /// The output projection tied to the token embedding.
 /// NOTE: the weight is held, not registered, so parameters() lists it once; it follows `to()` because
@@ -219,9 +230,10 @@ std::string join(const std::vector<std::string>& names) {
 
 GPTConfig gpt_config(const std::string& name) {
   if (name == "gpt-tiny") return GPTConfig();
+  if (name == "gpt-12l") return GPTConfig().layers(12).width(256).context(256);
   if (name == "gpt2-small")
     return GPTConfig().vocab_size(50257).context(1024).layers(12).heads(12).width(768);
-  TORCH_CHECK(false, "unknown GPT configuration '", name, "' (valid: gpt-tiny, gpt2-small)");
+  TORCH_CHECK(false, "unknown GPT configuration '", name, "' (valid: gpt-tiny, gpt-12l, gpt2-small)");
 }
 
 nn::Sequential mlp(int64_t inputs, int64_t hidden, int64_t classes) {
@@ -236,8 +248,10 @@ nn::Sequential gpt(const GPTConfig& config) {
   nn::Sequential net;
   TokenEmbedding embedding(config);
   net->push_back("embedding", embedding);
-  for (int64_t i = 0; i < config.layers(); ++i)
-    net->push_back("block" + std::to_string(i), DecoderBlock(config));
+  for (int64_t i = 0; i < config.layers(); ++i) {
+    net->push_back("attn" + std::to_string(i), AttentionResidual(config));
+    net->push_back("mlp" + std::to_string(i), MLPResidual(config));
+  }
   net->push_back("ln_f", nn::LayerNorm(nn::LayerNormOptions({config.width()})));
   net->push_back("head", TiedHead(embedding->wte->weight));
   return net;
@@ -250,7 +264,7 @@ nn::Sequential fashion_cnn(int64_t classes) {
 }
 
 std::vector<std::string> workload_names() {
-  return {"mlp", "fashion-cnn", "resnet18", "resnet50", "gpt-tiny", "gpt2-small"};
+  return {"mlp", "fashion-cnn", "resnet18", "resnet50", "gpt-tiny", "gpt-12l", "gpt2-small"};
 }
 
 Workload workload(const std::string& name) {
@@ -266,7 +280,7 @@ Workload workload(const std::string& name) {
   if (name == "resnet50")
     return classifier(
         name, [] { return resnet50(); }, {3, 224, 224}, 1000);
-  if (name == "gpt-tiny" || name == "gpt2-small") return decoder(name);
+  if (name == "gpt-tiny" || name == "gpt-12l" || name == "gpt2-small") return decoder(name);
   TORCH_CHECK(false, "unknown model '", name, "' (valid: ", join(workload_names()), ")");
 }
 

@@ -1,6 +1,6 @@
 // The model zoo behind the CLI, the examples, the benchmarks and the tests (not part of the memsave
-// library). Every model is a torch::nn::Sequential of coarse layers (a stem, one element per residual or
-// transformer block, a head), so sequential checkpointing can cut it anywhere between blocks.
+// library). Every model is a torch::nn::Sequential of coarse layers (a stem, one element per residual block
+// or per half of a transformer block, a head), so sequential checkpointing can cut it anywhere between them.
 #pragma once
 
 #include <torch/torch.h>
@@ -11,7 +11,8 @@
 
 namespace memsave::zoo {
 
-/// A GPT-2 style decoder: learned positions, pre-norm blocks, GELU MLP of 4× width, tied embeddings.
+/// A GPT-2 style decoder: learned positions, pre-norm blocks, GELU MLP of 4× width, tied embeddings. Each
+/// block is two elements of the Sequential, "attn<i>" and "mlp<i>" (residual halves).
 struct GPTConfig {
   TORCH_ARG(int64_t, vocab_size) = 512;
   TORCH_ARG(int64_t, context) = 64;
@@ -21,8 +22,8 @@ struct GPTConfig {
   TORCH_ARG(double, dropout) = 0.0;
 };
 
-/// The named decoder configurations: "gpt-tiny" (seconds on two CPU cores) and "gpt2-small" (124,439,808
-/// parameters, as GPT-2 small).
+/// The named decoder configurations: "gpt-tiny" (seconds on two CPU cores), "gpt-12l" (12 layers of width 256
+/// over 256 tokens: activations dominate) and "gpt2-small" (124,439,808 parameters, as GPT-2 small).
 GPTConfig gpt_config(const std::string& name);
 
 torch::nn::Sequential mlp(int64_t inputs = 784, int64_t hidden = 2048, int64_t classes = 10);

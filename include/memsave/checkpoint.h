@@ -118,9 +118,9 @@ TORCH_MODULE(CheckpointSequential);
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
                                            CheckpointOptions options = {});
 /// Keeps the elements for which `keep` is true, and recomputes each run of consecutive other elements as one
-/// piece.
+/// piece, or as pieces of at most `max_run` elements when it is > 0 (backward holds one piece at a time).
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, const KeepPolicy& keep,
-                                           CheckpointOptions options = {});
+                                           int64_t max_run = 0, CheckpointOptions options = {});
 
 /// The usual per-layer policy: keep the outputs of the layers that are expensive to recompute (Linear,
 /// convolutions, Embedding, MultiheadAttention, and any element whose name contains one of `also_keep`);

@@ -1,0 +1,107 @@
+// Activation checkpointing on the CPU: peak activation memory (the meter) and time of a training step
+// (forward, loss, backward) for no checkpointing, every element, √n segments and a per-layer keep policy,
+// same model, batch and seed, one invocation. Prints one JSON object per line (bench/run_checkpoint_bench.sh
+// turns them, and the Python peers', into the table in bench/RESULTS-checkpoint.md).
+//   build/bench/memsave_bench_checkpoint [--steps N]
+#include <memsave/checkpoint.h>
+#include <memsave/memory.h>
+
+#include "zoo/zoo.h"
+
+#include <ATen/Parallel.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace tnn = torch::nn;
+
+/// The per-layer policy of each model: recompute the elements with the most activation per unit of compute.
+/// gpt: the MLP halves (4× width inside) are recomputed one by one, the attention halves kept.
+/// resnet50: the blocks of the first two stages (highest resolution) are recomputed one by one, the rest
+/// kept.
+memsave::nn::KeepPolicy policy_for(const std::string& model) {
+  if (model.rfind("gpt", 0) == 0)
+    return [](const std::string& name, const tnn::Module&) { return name.rfind("mlp", 0) != 0; };
+  return [](const std::string& name, const tnn::Module&) {
+    return name.rfind("layer1", 0) != 0 && name.rfind("layer2", 0) != 0;
+  };
+}
+
+struct Result {
+  int64_t activations = 0;
+  double seconds = 0;          ///< forward, loss and backward
+  double forward_seconds = 0;  ///< forward and loss
+};
+
+Result run(const std::string& model, int64_t batch, const std::string& setting, int steps) {
+  torch::manual_seed(0);
+  const memsave::zoo::Workload w = memsave::zoo::workload(model);
+  tnn::Sequential net = w.make_model();
+  const auto n = static_cast<int64_t>(net->size());
+  std::function<torch::Tensor(const torch::Tensor&)> forward = [net](const torch::Tensor& x) mutable {
+    return net->forward(x);
+  };
+  memsave::nn::CheckpointSequential wrapped{nullptr};
+  if (setting == "every layer") wrapped = memsave::nn::checkpoint_sequential(net, n);
+  if (setting == "sqrt(n) segments")
+    wrapped = memsave::nn::checkpoint_sequential(net, std::lround(std::sqrt(static_cast<double>(n))));
+  if (setting == "per-layer policy") {
+    wrapped = memsave::nn::checkpoint_sequential(net, policy_for(model), /*max_run=*/1);
+  }
+  if (wrapped) forward = [wrapped](const torch::Tensor& x) mutable { return wrapped->forward(x); };
+
+  const auto data = w.make_batch(batch, torch::kCPU);
+  for (auto& p : net->parameters()) p.mutable_grad() = torch::zeros_like(p);  // gradients outside the peak
+  std::vector<double> times, forward_times;
+  Result result;
+  for (int s = 0; s <= steps; ++s) {  // step 0 is not timed
+    for (auto& p : net->parameters()) p.mutable_grad().zero_();
+    memsave::PeakScope scope(torch::kCPU);
+    const auto start = std::chrono::steady_clock::now();
+    auto loss = w.loss(forward(data.input), data.target);
+    const auto forward_end = std::chrono::steady_clock::now();
+    loss.backward();
+    const auto end = std::chrono::steady_clock::now();
+    if (s > 0) {
+      times.push_back(std::chrono::duration<double>(end - start).count());
+      forward_times.push_back(std::chrono::duration<double>(forward_end - start).count());
+    }
+    result.activations = scope.peak() - scope.start();
+  }
+  std::sort(times.begin(), times.end());
+  std::sort(forward_times.begin(), forward_times.end());
+  result.seconds = times[times.size() / 2];
+  result.forward_seconds = forward_times[forward_times.size() / 2];
+  return result;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  memsave::install_meter();
+  int steps = 3;
+  for (int i = 1; i + 1 < argc; i += 2)
+    if (std::strcmp(argv[i], "--steps") == 0) steps = std::max(1, std::atoi(argv[i + 1]));
+  const std::pair<const char*, int64_t> cases[] = {{"gpt-12l", 8}, {"resnet50", 8}};
+  for (const auto& [model, batch] : cases) {
+    for (const char* setting : {"none", "every layer", "sqrt(n) segments", "per-layer policy"}) {
+      const Result r = run(model, batch, setting, steps);
+      std::printf(
+          "{\"impl\": \"memsave\", \"model\": \"%s\", \"batch\": %lld, \"setting\": \"%s\", \"activations\": "
+          "%lld, "
+          "\"seconds\": %.6f, \"forward_seconds\": %.6f, \"threads\": %d}\n",
+          model, static_cast<long long>(batch), setting, static_cast<long long>(r.activations), r.seconds,
+          r.forward_seconds, at::get_num_threads());
+      std::fflush(stdout);
+    }
+  }
+  return 0;
+}
