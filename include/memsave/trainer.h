@@ -1,0 +1,137 @@
+// One object that composes every technique: a Recipe names a point in the memory/speed trade-off space, and a
+// Trainer applies it to a model and an optimizer.
+//
+//   auto recipe = memsave::Recipe().micro_batch(8).amp(torch::kBFloat16)
+//                     .checkpoint(memsave::Checkpointing::segments(4)).state_bits(8).max_grad_norm(1.0);
+//   memsave::Trainer trainer(net, memsave::adamw(1e-3), recipe);
+//   for (auto& batch : loader) {
+//     auto stats = trainer.step(batch.data, batch.target, loss_fn);   // loss, items, stepped, peak, time
+//   }
+#pragma once
+
+#include <memsave/accumulate.h>
+#include <memsave/amp.h>
+#include <memsave/checkpoint.h>
+
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace memsave {
+
+/// How a Trainer checkpoints its (Sequential) model.
+struct Checkpointing {
+  enum class Kind { kNone, kEveryLayer, kSegments, kPolicy };
+
+  static Checkpointing none() { return {}; }
+  /// Every element recomputed on its own (but the last, which backward needs at once).
+  static Checkpointing every_layer() { return {Kind::kEveryLayer}; }
+  /// `n` segments of near-equal length, all but the last recomputed.
+  static Checkpointing segments(int64_t n) { return {Kind::kSegments, n}; }
+  /// The elements for which `keep` is false are recomputed, in pieces of at most `max_run` (0: no limit).
+  /// `name` is how the Recipe describes the policy.
+  static Checkpointing policy(nn::KeepPolicy keep, int64_t max_run = 0, std::string name = "custom") {
+    return {Kind::kPolicy, 0, std::move(keep), max_run, std::move(name)};
+  }
+
+  Kind kind = Kind::kNone;
+  int64_t count = 0;
+  nn::KeepPolicy keep;
+  int64_t max_run = 0;
+  std::string name;
+};
+
+enum class GradScaling { kAuto, kOn, kOff };
+
+/// A point in the trade-off space.
+struct Recipe {
+  /// Rows per micro-batch; the batch is split and its gradients accumulated into one step. 0: the whole batch.
+  TORCH_ARG(int64_t, micro_batch) = 0;
+  /// Autocast dtype (kBFloat16; kHalf on CUDA only); none: fp32.
+  TORCH_ARG(std::optional<c10::ScalarType>, amp) = std::nullopt;
+  /// Dynamic loss scaling; kAuto: on exactly for fp16.
+  TORCH_ARG(GradScaling, grad_scaling) = GradScaling::kAuto;
+  /// Activation checkpointing of the model.
+  TORCH_ARG(Checkpointing, checkpoint) = Checkpointing::none();
+  /// Optimizer state: 32 (fp32) or 8 (memsave's 8-bit optimizers).
+  TORCH_ARG(int64_t, state_bits) = 32;
+  /// When > 0, the global gradient norm is clipped to this after unscaling, before each step.
+  TORCH_ARG(double, max_grad_norm) = 0;
+  /// What the loss function returns for a micro-batch: the mean over its items (default) or their sum.
+  TORCH_ARG(LossReduction, loss_reduction) = LossReduction::kMean;
+
+  /// Whether a GradScaler is used (resolves kAuto).
+  bool scales_gradients() const;
+  /// The recipe as C++ that builds it, e.g. `memsave::Recipe().micro_batch(8).amp(torch::kBFloat16)`.
+  std::string to_cpp() const;
+  /// A short name, e.g. "micro 8 + bf16 + ckpt every layer + 8-bit".
+  std::string label() const;
+};
+
+/// Builds the optimizer a recipe asks for, over `parameters`.
+using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
+    const std::vector<torch::Tensor>& parameters, const Recipe& recipe)>;
+
+/// AdamW: LibTorch's torch::optim::AdamW for 32-bit state, memsave::optim::AdamW8bit for 8-bit.
+OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
+/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit.
+OptimizerFactory sgd(double lr, double momentum = 0.9);
+
+struct StepStats {
+  double loss = 0;             ///< the window's loss: sum of per-item losses / items
+  double items = 0;            ///< items (or tokens, from the mask) the step was normalized by
+  bool stepped = false;        ///< false when the GradScaler skipped the step (inf/NaN gradients)
+  int64_t micro_batches = 0;
+  int64_t peak_bytes = 0;      ///< the step's peak in the model's device pool (memsave's meter)
+  double seconds = 0;          ///< wall time of the step
+};
+
+/// A loss of one micro-batch: a scalar, the mean over its items (or their sum, per the recipe).
+using LossFunction = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
+
+class Trainer {
+ public:
+  /// Applies `recipe` to `model` (checkpointing wrapper) and builds the optimizer over its parameters.
+  /// A combination that cannot work is an error here, not at the first step.
+  Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optimizer, Recipe recipe = {});
+  /// As above with an optimizer the caller built; its state must be what the recipe says (8-bit or not).
+  Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer, Recipe recipe = {});
+  /// NOTE: owns the optimizer state and an open accumulation window; not copyable.
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  /// One optimizer step over the batch: split into micro-batches, forward under autocast, backward (scaled),
+  /// then unscale, clip and step once. `mask`, when given, has the batch's rows on dim 0, and the items of a
+  /// micro-batch are its sum (tokens that count). Bad input is an error before anything runs; an error during
+  /// the step (out of memory) leaves parameters and optimizer state as they were.
+  StepStats step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
+                 const torch::Tensor& mask = {});
+  /// The model's output in eval mode without grad (and under the recipe's autocast).
+  torch::Tensor predict(const torch::Tensor& input);
+
+  /// The model as trained: the checkpointing wrapper when there is one.
+  std::shared_ptr<torch::nn::Module> model() const { return module_; }
+  torch::optim::Optimizer& optimizer() { return *optimizer_; }
+  /// The GradScaler, when the recipe scales gradients.
+  amp::GradScaler* scaler() { return scaler_ ? &*scaler_ : nullptr; }
+  const Recipe& recipe() const { return recipe_; }
+
+ private:
+  void apply(const torch::nn::Sequential& model);
+  torch::Tensor forward(const torch::Tensor& input);
+
+  Recipe recipe_;
+  std::shared_ptr<torch::nn::Module> module_;
+  std::function<torch::Tensor(const torch::Tensor&)> forward_;
+  c10::Device device_ = c10::kCPU;
+  std::shared_ptr<torch::optim::Optimizer> optimizer_;
+  std::optional<amp::GradScaler> scaler_;
+  std::unique_ptr<GradientAccumulator> accumulator_;
+};
+
+}  // namespace memsave

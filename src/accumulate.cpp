@@ -1,0 +1,113 @@
+#include "memsave/accumulate.h"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <cmath>
+
+namespace memsave {
+
+std::vector<std::vector<torch::Tensor>> split_micro_batches(const std::vector<torch::Tensor>& tensors,
+                                                            int64_t micro_batch) {
+  TORCH_CHECK(!tensors.empty(), "split_micro_batches: no tensors");
+  for (size_t i = 0; i < tensors.size(); ++i)
+    TORCH_CHECK(tensors[i].defined() && tensors[i].dim() > 0, "split_micro_batches: tensor ", i,
+                " must have a dim 0 to split along");
+  const int64_t rows = tensors[0].size(0);
+  TORCH_CHECK(rows > 0, "split_micro_batches: the batch is empty");
+  for (size_t i = 1; i < tensors.size(); ++i)
+    TORCH_CHECK(tensors[i].size(0) == rows, "split_micro_batches: tensor ", i, " has ", tensors[i].size(0),
+                " rows but tensor 0 has ", rows);
+  TORCH_CHECK(micro_batch > 0 && micro_batch <= rows, "split_micro_batches: micro_batch must be in [1, ", rows,
+              "] (the batch), got ", micro_batch);
+  std::vector<std::vector<torch::Tensor>> micro;
+  for (int64_t start = 0; start < rows; start += micro_batch) {
+    std::vector<torch::Tensor> parts;
+    for (const auto& t : tensors) parts.push_back(t.narrow(0, start, std::min(micro_batch, rows - start)));
+    micro.push_back(std::move(parts));
+  }
+  return micro;
+}
+
+GradientAccumulator::GradientAccumulator(torch::optim::Optimizer& optimizer, AccumulateOptions options,
+                                         amp::GradScaler* scaler)
+    : optimizer_(optimizer), options_(options), scaler_(scaler) {
+  TORCH_CHECK(options.window() >= 1, "GradientAccumulator: window must be >= 1, got ", options.window());
+  TORCH_CHECK(options.max_grad_norm() >= 0 && std::isfinite(options.max_grad_norm()),
+              "GradientAccumulator: max_grad_norm must be >= 0 (0: no clipping), got ", options.max_grad_norm());
+}
+
+void GradientAccumulator::begin_window(double items) {
+  TORCH_CHECK(micro_batches_ == 0, "GradientAccumulator: begin_window inside an open window (",
+              micro_batches_, " micro-batches pending)");
+  TORCH_CHECK(items > 0 && std::isfinite(items), "GradientAccumulator: a window needs items > 0, got ", items);
+  normalizer_ = items;
+}
+
+std::optional<WindowStep> GradientAccumulator::backward(const torch::Tensor& loss, double items) {
+  TORCH_CHECK(loss.defined() && loss.dim() == 0, "GradientAccumulator: the loss must be a scalar, got sizes ",
+              loss.defined() ? loss.sizes() : c10::IntArrayRef{});
+  TORCH_CHECK(items > 0 && std::isfinite(items), "GradientAccumulator: a micro-batch needs items > 0, got ",
+              items);
+  try {
+    if (!normalizer_) normalizer_ = items * static_cast<double>(options_.window());
+    const torch::Tensor sum = options_.reduction() == LossReduction::kMean ? loss * items : loss;
+    const torch::Tensor normalized = sum / *normalizer_;
+    (scaler_ ? scaler_->scale(normalized) : normalized).backward();
+    const torch::Tensor detached = sum.detach().to(torch::kDouble);
+    loss_sum_ = loss_sum_.defined() ? loss_sum_ + detached : detached;
+    items_ += items;
+    ++micro_batches_;
+  } catch (...) {
+    discard();
+    throw;
+  }
+  if (micro_batches_ < options_.window()) return std::nullopt;
+  return step();
+}
+
+WindowStep GradientAccumulator::step() {
+  TORCH_CHECK(micro_batches_ > 0, "GradientAccumulator: step without a micro-batch since the last step");
+  WindowStep result;
+  try {
+    if (scaler_) scaler_->unscale_(optimizer_);
+    std::vector<torch::Tensor> parameters;
+    for (const auto& group : optimizer_.param_groups())
+      for (const auto& p : group.params())
+        if (p.grad().defined()) parameters.push_back(p);
+    // Every micro-batch divided its loss by the window's expected items; put the real count in.
+    const double correction = *normalizer_ / items_;
+    if (correction != 1.0) {
+      torch::NoGradGuard no_grad;
+      for (auto& p : parameters) p.mutable_grad().mul_(correction);
+    }
+    if (options_.max_grad_norm() > 0) torch::nn::utils::clip_grad_norm_(parameters, options_.max_grad_norm());
+    if (scaler_) {
+      result.stepped = scaler_->step(optimizer_);
+      scaler_->update();
+    } else {
+      optimizer_.step();
+      result.stepped = true;
+    }
+  } catch (...) {
+    // The scaler may have unscaled this optimizer: reset its per-step bookkeeping, keeping the scale.
+    if (scaler_ && scaler_->is_enabled()) scaler_->update(scaler_->get_scale());
+    discard();
+    throw;
+  }
+  result.items = items_;
+  result.loss = loss_sum_.item<double>() / items_;
+  result.micro_batches = micro_batches_;
+  discard();
+  return result;
+}
+
+void GradientAccumulator::discard() {
+  optimizer_.zero_grad();
+  micro_batches_ = 0;
+  items_ = 0;
+  loss_sum_ = torch::Tensor();
+  normalizer_.reset();
+}
+
+}  // namespace memsave

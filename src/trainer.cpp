@@ -1,0 +1,264 @@
+#include "memsave/trainer.h"
+
+#include "memsave/memory.h"
+#include "memsave/optim.h"
+
+#include <c10/util/Exception.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <chrono>
+#include <limits>
+#include <sstream>
+
+namespace memsave {
+namespace {
+
+std::string dtype_cpp(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kBFloat16:
+      return "torch::kBFloat16";
+    case c10::kHalf:
+      return "torch::kHalf";
+    default:
+      return std::string("torch::k") + c10::toString(dtype);
+  }
+}
+
+void check_recipe(const Recipe& r, c10::Device device) {
+  TORCH_CHECK(r.micro_batch() >= 0, "Recipe: micro_batch must be >= 0 (0: the whole batch), got ",
+              r.micro_batch());
+  TORCH_CHECK(r.state_bits() == 32 || r.state_bits() == 8, "Recipe: state_bits must be 32 or 8, got ",
+              r.state_bits());
+  TORCH_CHECK(r.max_grad_norm() >= 0, "Recipe: max_grad_norm must be >= 0 (0: no clipping), got ",
+              r.max_grad_norm());
+  if (r.amp()) {
+    const c10::ScalarType dtype = *r.amp();
+    TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "Recipe: amp must be BFloat16 or Half, got ",
+                dtype);
+    TORCH_CHECK(!(dtype == c10::kHalf && device.is_cpu()),
+                "Recipe: amp Half needs a CUDA model (CPU autocast is BFloat16 only); the model is on ", device);
+  }
+  const Checkpointing& c = r.checkpoint();
+  TORCH_CHECK(c.kind != Checkpointing::Kind::kSegments || c.count >= 1,
+              "Recipe: checkpoint segments must be >= 1, got ", c.count);
+  TORCH_CHECK(c.kind != Checkpointing::Kind::kPolicy || c.keep, "Recipe: checkpoint policy is empty");
+}
+
+}  // namespace
+
+bool Recipe::scales_gradients() const {
+  if (grad_scaling() == GradScaling::kAuto) return amp() && *amp() == c10::kHalf;
+  return grad_scaling() == GradScaling::kOn;
+}
+
+std::string Recipe::to_cpp() const {
+  std::ostringstream out;
+  out << "memsave::Recipe()";
+  if (micro_batch()) out << ".micro_batch(" << micro_batch() << ")";
+  if (amp()) out << ".amp(" << dtype_cpp(*amp()) << ")";
+  if (grad_scaling() == GradScaling::kOn) out << ".grad_scaling(memsave::GradScaling::kOn)";
+  if (grad_scaling() == GradScaling::kOff) out << ".grad_scaling(memsave::GradScaling::kOff)";
+  switch (checkpoint().kind) {
+    case Checkpointing::Kind::kNone:
+      break;
+    case Checkpointing::Kind::kEveryLayer:
+      out << ".checkpoint(memsave::Checkpointing::every_layer())";
+      break;
+    case Checkpointing::Kind::kSegments:
+      out << ".checkpoint(memsave::Checkpointing::segments(" << checkpoint().count << "))";
+      break;
+    case Checkpointing::Kind::kPolicy:
+      out << ".checkpoint(memsave::Checkpointing::policy(/* " << checkpoint().name << " */ keep, "
+          << checkpoint().max_run << "))";
+      break;
+  }
+  if (state_bits() != 32) out << ".state_bits(" << state_bits() << ")";
+  if (max_grad_norm() > 0) out << ".max_grad_norm(" << max_grad_norm() << ")";
+  if (loss_reduction() == LossReduction::kSum) out << ".loss_reduction(memsave::LossReduction::kSum)";
+  return out.str();
+}
+
+std::string Recipe::label() const {
+  std::vector<std::string> parts;
+  if (micro_batch()) parts.push_back("micro " + std::to_string(micro_batch()));
+  if (amp()) parts.push_back(*amp() == c10::kHalf ? "fp16" : "bf16");
+  switch (checkpoint().kind) {
+    case Checkpointing::Kind::kNone:
+      break;
+    case Checkpointing::Kind::kEveryLayer:
+      parts.push_back("ckpt every layer");
+      break;
+    case Checkpointing::Kind::kSegments:
+      parts.push_back("ckpt " + std::to_string(checkpoint().count) + " segments");
+      break;
+    case Checkpointing::Kind::kPolicy:
+      parts.push_back("ckpt " + checkpoint().name);
+      break;
+  }
+  if (state_bits() != 32) parts.push_back(std::to_string(state_bits()) + "-bit state");
+  if (parts.empty()) return "baseline";
+  std::string label = parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) label += " + " + parts[i];
+  return label;
+}
+
+OptimizerFactory adamw(double lr, double weight_decay) {
+  return [lr, weight_decay](const std::vector<torch::Tensor>& parameters,
+                            const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (recipe.state_bits() == 8)
+      return std::make_unique<optim::AdamW8bit>(parameters, optim::AdamW8bitOptions(lr).weight_decay(weight_decay));
+    return std::make_unique<torch::optim::AdamW>(parameters,
+                                                 torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+  };
+}
+
+OptimizerFactory sgd(double lr, double momentum) {
+  TORCH_CHECK(momentum > 0, "sgd: momentum must be > 0 (SGD without momentum keeps no state), got ", momentum);
+  return [lr, momentum](const std::vector<torch::Tensor>& parameters,
+                        const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (recipe.state_bits() == 8)
+      return std::make_unique<optim::SGD8bit>(parameters, optim::SGD8bitOptions(lr).momentum(momentum));
+    return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(lr).momentum(momentum));
+  };
+}
+
+Trainer::Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optimizer, Recipe recipe)
+    : recipe_(std::move(recipe)) {
+  TORCH_CHECK(make_optimizer, "Trainer: make_optimizer is empty");
+  apply(model);
+  optimizer_ = make_optimizer(model->parameters(), recipe_);
+  TORCH_CHECK(optimizer_ != nullptr, "Trainer: make_optimizer returned no optimizer");
+  accumulator_ = std::make_unique<GradientAccumulator>(
+      *optimizer_,
+      AccumulateOptions()
+          .window(std::numeric_limits<int64_t>::max())
+          .max_grad_norm(recipe_.max_grad_norm())
+          .reduction(recipe_.loss_reduction()),
+      scaler());
+}
+
+Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer, Recipe recipe)
+    : recipe_(std::move(recipe)), optimizer_(std::move(optimizer)) {
+  TORCH_CHECK(optimizer_ != nullptr, "Trainer: optimizer is null");
+  const bool low_bit = dynamic_cast<optim::LowBitOptimizer*>(optimizer_.get()) != nullptr;
+  TORCH_CHECK(low_bit == (recipe_.state_bits() == 8), "Trainer: the recipe asks for ", recipe_.state_bits(),
+              "-bit optimizer state but the optimizer given ", low_bit ? "is" : "is not",
+              " one of memsave's 8-bit optimizers; build it with an OptimizerFactory (memsave::adamw) instead");
+  apply(model);
+  accumulator_ = std::make_unique<GradientAccumulator>(
+      *optimizer_,
+      AccumulateOptions()
+          .window(std::numeric_limits<int64_t>::max())
+          .max_grad_norm(recipe_.max_grad_norm())
+          .reduction(recipe_.loss_reduction()),
+      scaler());
+}
+
+void Trainer::apply(const torch::nn::Sequential& model) {
+  TORCH_CHECK(!model.is_empty() && model->size() > 0, "Trainer: the model is an empty Sequential");
+  const auto parameters = model->parameters();
+  TORCH_CHECK(!parameters.empty(), "Trainer: the model has no parameters");
+  device_ = parameters.front().device();
+  for (const auto& p : parameters)
+    TORCH_CHECK(p.device() == device_, "Trainer: the model's parameters are on several devices (", device_,
+                " and ", p.device(), ")");
+  check_recipe(recipe_, device_);
+
+  const Checkpointing& c = recipe_.checkpoint();
+  const auto n = static_cast<int64_t>(model->size());
+  nn::CheckpointSequential wrapped{nullptr};
+  switch (c.kind) {
+    case Checkpointing::Kind::kNone:
+      break;
+    case Checkpointing::Kind::kEveryLayer:
+      wrapped = nn::checkpoint_sequential(model, n);
+      break;
+    case Checkpointing::Kind::kSegments:
+      TORCH_CHECK(c.count <= n, "Recipe: checkpoint segments must be at most the model's ", n, " elements, got ",
+                  c.count);
+      wrapped = nn::checkpoint_sequential(model, c.count);
+      break;
+    case Checkpointing::Kind::kPolicy:
+      wrapped = nn::checkpoint_sequential(model, c.keep, c.max_run);
+      break;
+  }
+  if (wrapped) {
+    module_ = wrapped.ptr();
+    forward_ = [wrapped](const torch::Tensor& x) mutable { return wrapped->forward(x); };
+  } else {
+    module_ = model.ptr();
+    forward_ = [model](const torch::Tensor& x) mutable { return model->forward(x); };
+  }
+  if (recipe_.scales_gradients()) scaler_.emplace();
+}
+
+torch::Tensor Trainer::forward(const torch::Tensor& input) {
+  if (!recipe_.amp()) return forward_(input);
+  amp::Autocast autocast(device_.type(), *recipe_.amp());
+  return forward_(input);
+}
+
+StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
+                        const torch::Tensor& mask) {
+  TORCH_CHECK(loss, "Trainer::step: loss is empty");
+  TORCH_CHECK(input.defined() && target.defined(), "Trainer::step: input and target must be defined");
+  TORCH_CHECK(input.device() == device_, "Trainer::step: input is on ", input.device(), " but the model is on ",
+              device_);
+  std::vector<torch::Tensor> tensors{input, target};
+  if (mask.defined()) tensors.push_back(mask);
+  TORCH_CHECK(input.dim() > 0 && input.size(0) > 0, "Trainer::step: the batch is empty");
+  const int64_t micro = recipe_.micro_batch() == 0 ? input.size(0) : recipe_.micro_batch();
+  TORCH_CHECK(micro <= input.size(0), "Trainer::step: micro_batch ", micro, " is larger than the batch of ",
+              input.size(0));
+  const auto parts = split_micro_batches(tensors, micro);
+  std::vector<double> items;
+  double total = 0;
+  for (const auto& part : parts) {
+    items.push_back(mask.defined() ? part[2].sum().item<double>() : static_cast<double>(part[0].size(0)));
+    total += items.back();
+  }
+  TORCH_CHECK(total > 0, "Trainer::step: the batch has no items to learn from (the mask sums to ", total, ")");
+
+  module_->train();
+  PeakScope scope(device_);
+  const auto start = std::chrono::steady_clock::now();
+  StepStats stats;
+  try {
+    accumulator_->begin_window(total);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      if (items[i] == 0) continue;  // nothing in it counts: skip its forward altogether
+      const torch::Tensor output = forward(parts[i][0]);
+      torch::Tensor value;
+      {
+        std::optional<amp::Autocast> autocast;
+        if (recipe_.amp()) autocast.emplace(device_.type(), *recipe_.amp());
+        value = loss(output, parts[i][1]);
+      }
+      TORCH_CHECK(value.defined() && value.dim() == 0, "Trainer::step: the loss function must return a scalar, got ",
+                  value.defined() ? value.sizes() : c10::IntArrayRef{});
+      accumulator_->backward(value, items[i]);
+    }
+    const WindowStep window = accumulator_->step();
+    stats.loss = window.loss;
+    stats.items = window.items;
+    stats.stepped = window.stepped;
+    stats.micro_batches = window.micro_batches;
+  } catch (...) {
+    accumulator_->discard();
+    throw;
+  }
+  stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.peak_bytes = scope.peak();
+  return stats;
+}
+
+torch::Tensor Trainer::predict(const torch::Tensor& input) {
+  torch::NoGradGuard no_grad;
+  module_->eval();
+  torch::Tensor out = forward(input);
+  module_->train();
+  return out;
+}
+
+}  // namespace memsave
