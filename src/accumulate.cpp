@@ -18,8 +18,8 @@ std::vector<std::vector<torch::Tensor>> split_micro_batches(const std::vector<to
   for (size_t i = 1; i < tensors.size(); ++i)
     TORCH_CHECK(tensors[i].size(0) == rows, "split_micro_batches: tensor ", i, " has ", tensors[i].size(0),
                 " rows but tensor 0 has ", rows);
-  TORCH_CHECK(micro_batch > 0 && micro_batch <= rows, "split_micro_batches: micro_batch must be in [1, ", rows,
-              "] (the batch), got ", micro_batch);
+  TORCH_CHECK(micro_batch > 0 && micro_batch <= rows, "split_micro_batches: micro_batch must be in [1, ",
+              rows, "] (the batch), got ", micro_batch);
   std::vector<std::vector<torch::Tensor>> micro;
   for (int64_t start = 0; start < rows; start += micro_batch) {
     std::vector<torch::Tensor> parts;
@@ -34,13 +34,15 @@ GradientAccumulator::GradientAccumulator(torch::optim::Optimizer& optimizer, Acc
     : optimizer_(optimizer), options_(options), scaler_(scaler) {
   TORCH_CHECK(options.window() >= 1, "GradientAccumulator: window must be >= 1, got ", options.window());
   TORCH_CHECK(options.max_grad_norm() >= 0 && std::isfinite(options.max_grad_norm()),
-              "GradientAccumulator: max_grad_norm must be >= 0 (0: no clipping), got ", options.max_grad_norm());
+              "GradientAccumulator: max_grad_norm must be >= 0 (0: no clipping), got ",
+              options.max_grad_norm());
 }
 
 void GradientAccumulator::begin_window(double items) {
   TORCH_CHECK(micro_batches_ == 0, "GradientAccumulator: begin_window inside an open window (",
               micro_batches_, " micro-batches pending)");
-  TORCH_CHECK(items > 0 && std::isfinite(items), "GradientAccumulator: a window needs items > 0, got ", items);
+  TORCH_CHECK(items > 0 && std::isfinite(items), "GradientAccumulator: a window needs items > 0, got ",
+              items);
   normalizer_ = items;
 }
 

@@ -37,7 +37,8 @@ void check_recipe(const Recipe& r, c10::Device device) {
     TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "Recipe: amp must be BFloat16 or Half, got ",
                 dtype);
     TORCH_CHECK(!(dtype == c10::kHalf && device.is_cpu()),
-                "Recipe: amp Half needs a CUDA model (CPU autocast is BFloat16 only); the model is on ", device);
+                "Recipe: amp Half needs a CUDA model (CPU autocast is BFloat16 only); the model is on ",
+                device);
   }
   const Checkpointing& c = r.checkpoint();
   TORCH_CHECK(c.kind != Checkpointing::Kind::kSegments || c.count >= 1,
@@ -87,11 +88,7 @@ std::string Recipe::label() const {
     case Checkpointing::Kind::kNone:
       break;
     case Checkpointing::Kind::kEveryLayer:
-      parts.push_back("ckpt every layer");
-      break;
     case Checkpointing::Kind::kSegments:
-      parts.push_back("ckpt " + std::to_string(checkpoint().count) + " segments");
-      break;
     case Checkpointing::Kind::kPolicy:
       parts.push_back("ckpt " + checkpoint().name);
       break;
@@ -107,14 +104,16 @@ OptimizerFactory adamw(double lr, double weight_decay) {
   return [lr, weight_decay](const std::vector<torch::Tensor>& parameters,
                             const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     if (recipe.state_bits() == 8)
-      return std::make_unique<optim::AdamW8bit>(parameters, optim::AdamW8bitOptions(lr).weight_decay(weight_decay));
+      return std::make_unique<optim::AdamW8bit>(parameters,
+                                                optim::AdamW8bitOptions(lr).weight_decay(weight_decay));
     return std::make_unique<torch::optim::AdamW>(parameters,
                                                  torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
   };
 }
 
 OptimizerFactory sgd(double lr, double momentum) {
-  TORCH_CHECK(momentum > 0, "sgd: momentum must be > 0 (SGD without momentum keeps no state), got ", momentum);
+  TORCH_CHECK(momentum > 0, "sgd: momentum must be > 0 (SGD without momentum keeps no state), got ",
+              momentum);
   return [lr, momentum](const std::vector<torch::Tensor>& parameters,
                         const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     if (recipe.state_bits() == 8)
@@ -129,30 +128,30 @@ Trainer::Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optim
   apply(model);
   optimizer_ = make_optimizer(model->parameters(), recipe_);
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: make_optimizer returned no optimizer");
-  accumulator_ = std::make_unique<GradientAccumulator>(
-      *optimizer_,
-      AccumulateOptions()
-          .window(std::numeric_limits<int64_t>::max())
-          .max_grad_norm(recipe_.max_grad_norm())
-          .reduction(recipe_.loss_reduction()),
-      scaler());
+  accumulator_ = std::make_unique<GradientAccumulator>(*optimizer_,
+                                                       AccumulateOptions()
+                                                           .window(std::numeric_limits<int64_t>::max())
+                                                           .max_grad_norm(recipe_.max_grad_norm())
+                                                           .reduction(recipe_.loss_reduction()),
+                                                       scaler());
 }
 
-Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer, Recipe recipe)
+Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer,
+                 Recipe recipe)
     : recipe_(std::move(recipe)), optimizer_(std::move(optimizer)) {
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: optimizer is null");
   const bool low_bit = dynamic_cast<optim::LowBitOptimizer*>(optimizer_.get()) != nullptr;
-  TORCH_CHECK(low_bit == (recipe_.state_bits() == 8), "Trainer: the recipe asks for ", recipe_.state_bits(),
-              "-bit optimizer state but the optimizer given ", low_bit ? "is" : "is not",
-              " one of memsave's 8-bit optimizers; build it with an OptimizerFactory (memsave::adamw) instead");
+  TORCH_CHECK(
+      low_bit == (recipe_.state_bits() == 8), "Trainer: the recipe asks for ", recipe_.state_bits(),
+      "-bit optimizer state but the optimizer given ", low_bit ? "is" : "is not",
+      " one of memsave's 8-bit optimizers; build it with an OptimizerFactory (memsave::adamw) instead");
   apply(model);
-  accumulator_ = std::make_unique<GradientAccumulator>(
-      *optimizer_,
-      AccumulateOptions()
-          .window(std::numeric_limits<int64_t>::max())
-          .max_grad_norm(recipe_.max_grad_norm())
-          .reduction(recipe_.loss_reduction()),
-      scaler());
+  accumulator_ = std::make_unique<GradientAccumulator>(*optimizer_,
+                                                       AccumulateOptions()
+                                                           .window(std::numeric_limits<int64_t>::max())
+                                                           .max_grad_norm(recipe_.max_grad_norm())
+                                                           .reduction(recipe_.loss_reduction()),
+                                                       scaler());
 }
 
 void Trainer::apply(const torch::nn::Sequential& model) {
@@ -175,8 +174,8 @@ void Trainer::apply(const torch::nn::Sequential& model) {
       wrapped = nn::checkpoint_sequential(model, n);
       break;
     case Checkpointing::Kind::kSegments:
-      TORCH_CHECK(c.count <= n, "Recipe: checkpoint segments must be at most the model's ", n, " elements, got ",
-                  c.count);
+      TORCH_CHECK(c.count <= n, "Recipe: checkpoint segments must be at most the model's ", n,
+                  " elements, got ", c.count);
       wrapped = nn::checkpoint_sequential(model, c.count);
       break;
     case Checkpointing::Kind::kPolicy:
@@ -188,7 +187,7 @@ void Trainer::apply(const torch::nn::Sequential& model) {
     forward_ = [wrapped](const torch::Tensor& x) mutable { return wrapped->forward(x); };
   } else {
     module_ = model.ptr();
-    forward_ = [model](const torch::Tensor& x) mutable { return model->forward(x); };
+    forward_ = [net = model](const torch::Tensor& x) mutable { return net->forward(x); };
   }
   if (recipe_.scales_gradients()) scaler_.emplace();
 }
@@ -203,8 +202,8 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
                         const torch::Tensor& mask) {
   TORCH_CHECK(loss, "Trainer::step: loss is empty");
   TORCH_CHECK(input.defined() && target.defined(), "Trainer::step: input and target must be defined");
-  TORCH_CHECK(input.device() == device_, "Trainer::step: input is on ", input.device(), " but the model is on ",
-              device_);
+  TORCH_CHECK(input.device() == device_, "Trainer::step: input is on ", input.device(),
+              " but the model is on ", device_);
   std::vector<torch::Tensor> tensors{input, target};
   if (mask.defined()) tensors.push_back(mask);
   TORCH_CHECK(input.dim() > 0 && input.size(0) > 0, "Trainer::step: the batch is empty");
@@ -218,7 +217,8 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
     items.push_back(mask.defined() ? part[2].sum().item<double>() : static_cast<double>(part[0].size(0)));
     total += items.back();
   }
-  TORCH_CHECK(total > 0, "Trainer::step: the batch has no items to learn from (the mask sums to ", total, ")");
+  TORCH_CHECK(total > 0, "Trainer::step: the batch has no items to learn from (the mask sums to ", total,
+              ")");
 
   module_->train();
   PeakScope scope(device_);
@@ -235,7 +235,8 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
         if (recipe_.amp()) autocast.emplace(device_.type(), *recipe_.amp());
         value = loss(output, parts[i][1]);
       }
-      TORCH_CHECK(value.defined() && value.dim() == 0, "Trainer::step: the loss function must return a scalar, got ",
+      TORCH_CHECK(value.defined() && value.dim() == 0,
+                  "Trainer::step: the loss function must return a scalar, got ",
                   value.defined() ? value.sizes() : c10::IntArrayRef{});
       accumulator_->backward(value, items[i]);
     }

@@ -53,7 +53,8 @@ class Recorder : public torch::optim::Optimizer {
 };
 
 /// Reference: the gradient of the full batch's loss, mean over items.
-std::vector<torch::Tensor> full_batch_grads(tnn::Sequential& net, const torch::Tensor& x, const torch::Tensor& y) {
+std::vector<torch::Tensor> full_batch_grads(tnn::Sequential& net, const torch::Tensor& x,
+                                            const torch::Tensor& y) {
   for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
   F::cross_entropy(net->forward(x), y).backward();
   return grads_of(net);
@@ -107,7 +108,8 @@ TEST(Accumulate, TokenWeightedLossesAreNormalizedByTheWindowsTokens) {
   const auto mask = torch::arange(time).unsqueeze(0) < lengths.unsqueeze(1);
   y = torch::where(mask, y, torch::full_like(y, -100));  // padding is ignored by the loss
   auto token_loss = [](const torch::Tensor& out, const torch::Tensor& target) {
-    return F::cross_entropy(out.reshape({-1, 4}), target.reshape({-1}), F::CrossEntropyFuncOptions().ignore_index(-100));
+    return F::cross_entropy(out.reshape({-1, 4}), target.reshape({-1}),
+                            F::CrossEntropyFuncOptions().ignore_index(-100));
   };
   for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
   token_loss(net->forward(x), y).backward();
@@ -155,7 +157,8 @@ TEST(Accumulate, SumReducedLossesAndTheWindowLoss) {
   GradientAccumulator acc(rec, AccumulateOptions().window(2).reduction(LossReduction::kSum));
   std::optional<WindowStep> result;
   for (const auto& part : split_micro_batches({x, y}, 6)) {
-    auto sum = F::cross_entropy(net->forward(part[0]), part[1], F::CrossEntropyFuncOptions().reduction(torch::kSum));
+    auto sum =
+        F::cross_entropy(net->forward(part[0]), part[1], F::CrossEntropyFuncOptions().reduction(torch::kSum));
     result = acc.backward(sum, part[0].size(0));
   }
   ASSERT_TRUE(result.has_value());
@@ -211,16 +214,17 @@ TEST(AccumulateErrors, BadInputIsRejectedAndNothingSteps) {
   EXPECT_THROW(acc.backward(out.sum(), 0), c10::Error);   // no items
   EXPECT_THROW(acc.step(), c10::Error);                   // nothing to step
   EXPECT_EQ(rec.steps, 0);
-  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
+  for (const auto& p : net->parameters())
+    EXPECT_FALSE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
 }
 
 // ---- Trainer ----
 
-zoo::Batch cnn_batch(int64_t rows) {
-  return {torch::randn({rows, 1, 28, 28}), torch::randint(10, {rows})};
-}
+zoo::Batch cnn_batch(int64_t rows) { return {torch::randn({rows, 1, 28, 28}), torch::randint(10, {rows})}; }
 
-torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) { return F::cross_entropy(out, target); }
+torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) {
+  return F::cross_entropy(out, target);
+}
 
 /// Trains the small CNN for `steps` steps on a fixed batch and returns the first and last loss.
 std::pair<double, double> train(const Recipe& recipe, int steps = 8) {
@@ -241,8 +245,8 @@ std::pair<double, double> train(const Recipe& recipe, int steps = 8) {
 
 TEST(Trainer, EveryPairOfTechniquesComposesAndTrains) {
   const std::vector<Recipe> singles = {Recipe().micro_batch(8), Recipe().amp(torch::kBFloat16),
-                                       Recipe().checkpoint(Checkpointing::segments(3)), Recipe().state_bits(8),
-                                       Recipe().max_grad_norm(1.0)};
+                                       Recipe().checkpoint(Checkpointing::segments(3)),
+                                       Recipe().state_bits(8), Recipe().max_grad_norm(1.0)};
   for (size_t i = 0; i < singles.size(); ++i) {
     for (size_t j = i + 1; j < singles.size(); ++j) {
       Recipe r = singles[i];
@@ -323,7 +327,8 @@ TEST(TrainerErrors, BadBatchesChangeNothing) {
   auto not_scalar = [](const torch::Tensor& out, const torch::Tensor&) { return out.sum(1); };
   EXPECT_THROW(trainer.step(torch::randn({8, 6}), torch::randint(4, {8}), not_scalar), c10::Error);
   EXPECT_TRUE(torch::equal(before, net->parameters()[0]));
-  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
+  for (const auto& p : net->parameters())
+    EXPECT_FALSE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
 }
 
 TEST(TrainerErrors, AnOutOfMemoryMidStepLeavesTheModelAsItWas) {
@@ -347,9 +352,10 @@ TEST(TrainerErrors, AnOutOfMemoryMidStepLeavesTheModelAsItWas) {
 TEST(Recipe, DescribesItselfAsCpp) {
   const Recipe r =
       Recipe().micro_batch(8).amp(torch::kBFloat16).checkpoint(Checkpointing::segments(4)).state_bits(8);
-  EXPECT_EQ(r.to_cpp(),
-            "memsave::Recipe().micro_batch(8).amp(torch::kBFloat16).checkpoint(memsave::Checkpointing::segments(4))"
-            ".state_bits(8)");
+  EXPECT_EQ(
+      r.to_cpp(),
+      "memsave::Recipe().micro_batch(8).amp(torch::kBFloat16).checkpoint(memsave::Checkpointing::segments(4))"
+      ".state_bits(8)");
   EXPECT_EQ(r.label(), "micro 8 + bf16 + ckpt 4 segments + 8-bit state");
   EXPECT_EQ(Recipe().label(), "baseline");
   EXPECT_FALSE(r.scales_gradients());

@@ -7,9 +7,10 @@
 //   }
 //   acc.step();                                        // the last, shorter window
 //
-// The gradient of a window is the gradient of (sum of per-item losses over the window) / (items in the window):
-// a micro-batch of 3 items weighs 3/8 of a window of 8 items, not 1/4 as "average the per-micro-batch means"
-// would make it. Items can be tokens (count the unmasked ones). One unscale, clip and optimizer step per window.
+// The gradient of a window is the gradient of (sum of per-item losses over the window) / (items in the
+// window): a micro-batch of 3 items weighs 3/8 of a window of 8 items, not 1/4 as "average the
+// per-micro-batch means" would make it. Items can be tokens (count the unmasked ones). One unscale, clip and
+// optimizer step per window.
 #pragma once
 
 #include <memsave/amp.h>
@@ -80,7 +81,8 @@ class GradientAccumulator {
   amp::GradScaler* scaler_;
   int64_t micro_batches_ = 0;
   double items_ = 0;
-  torch::Tensor loss_sum_;  ///< sum of per-item losses of the window, on the loss's device (no sync per micro)
+  torch::Tensor
+      loss_sum_;  ///< sum of per-item losses of the window, on the loss's device (no sync per micro)
   std::optional<double> normalizer_;  ///< what every backward divided its loss sum by
 };
 

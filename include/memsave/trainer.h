@@ -30,12 +30,14 @@ struct Checkpointing {
 
   static Checkpointing none() { return {}; }
   /// Every element recomputed on its own (but the last, which backward needs at once).
-  static Checkpointing every_layer() { return {Kind::kEveryLayer}; }
+  static Checkpointing every_layer() { return {Kind::kEveryLayer, 0, {}, 0, "every layer"}; }
   /// `n` segments of near-equal length, all but the last recomputed.
-  static Checkpointing segments(int64_t n) { return {Kind::kSegments, n}; }
+  static Checkpointing segments(int64_t n) {
+    return {Kind::kSegments, n, {}, 0, std::to_string(n) + " segments"};
+  }
   /// The elements for which `keep` is false are recomputed, in pieces of at most `max_run` (0: no limit).
   /// `name` is how the Recipe describes the policy.
-  static Checkpointing policy(nn::KeepPolicy keep, int64_t max_run = 0, std::string name = "custom") {
+  static Checkpointing policy(nn::KeepPolicy keep, int64_t max_run = 0, std::string name = "policy") {
     return {Kind::kPolicy, 0, std::move(keep), max_run, std::move(name)};
   }
 
@@ -50,7 +52,15 @@ enum class GradScaling { kAuto, kOn, kOff };
 
 /// A point in the trade-off space.
 struct Recipe {
-  /// Rows per micro-batch; the batch is split and its gradients accumulated into one step. 0: the whole batch.
+  /// Whether a GradScaler is used (resolves kAuto).
+  bool scales_gradients() const;
+  /// The recipe as C++ that builds it, e.g. `memsave::Recipe().micro_batch(8).amp(torch::kBFloat16)`.
+  std::string to_cpp() const;
+  /// A short name, e.g. "micro 8 + bf16 + ckpt every layer + 8-bit".
+  std::string label() const;
+
+  /// Rows per micro-batch; the batch is split and its gradients accumulated into one step. 0: the whole
+  /// batch.
   TORCH_ARG(int64_t, micro_batch) = 0;
   /// Autocast dtype (kBFloat16; kHalf on CUDA only); none: fp32.
   TORCH_ARG(std::optional<c10::ScalarType>, amp) = std::nullopt;
@@ -64,13 +74,6 @@ struct Recipe {
   TORCH_ARG(double, max_grad_norm) = 0;
   /// What the loss function returns for a micro-batch: the mean over its items (default) or their sum.
   TORCH_ARG(LossReduction, loss_reduction) = LossReduction::kMean;
-
-  /// Whether a GradScaler is used (resolves kAuto).
-  bool scales_gradients() const;
-  /// The recipe as C++ that builds it, e.g. `memsave::Recipe().micro_batch(8).amp(torch::kBFloat16)`.
-  std::string to_cpp() const;
-  /// A short name, e.g. "micro 8 + bf16 + ckpt every layer + 8-bit".
-  std::string label() const;
 };
 
 /// Builds the optimizer a recipe asks for, over `parameters`.
@@ -83,12 +86,12 @@ OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
 OptimizerFactory sgd(double lr, double momentum = 0.9);
 
 struct StepStats {
-  double loss = 0;             ///< the window's loss: sum of per-item losses / items
-  double items = 0;            ///< items (or tokens, from the mask) the step was normalized by
-  bool stepped = false;        ///< false when the GradScaler skipped the step (inf/NaN gradients)
+  double loss = 0;       ///< the window's loss: sum of per-item losses / items
+  double items = 0;      ///< items (or tokens, from the mask) the step was normalized by
+  bool stepped = false;  ///< false when the GradScaler skipped the step (inf/NaN gradients)
   int64_t micro_batches = 0;
-  int64_t peak_bytes = 0;      ///< the step's peak in the model's device pool (memsave's meter)
-  double seconds = 0;          ///< wall time of the step
+  int64_t peak_bytes = 0;  ///< the step's peak in the model's device pool (memsave's meter)
+  double seconds = 0;      ///< wall time of the step
 };
 
 /// A loss of one micro-batch: a scalar, the mean over its items (or their sum, per the recipe).
@@ -100,7 +103,8 @@ class Trainer {
   /// A combination that cannot work is an error here, not at the first step.
   Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optimizer, Recipe recipe = {});
   /// As above with an optimizer the caller built; its state must be what the recipe says (8-bit or not).
-  Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer, Recipe recipe = {});
+  Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer,
+          Recipe recipe = {});
   /// NOTE: owns the optimizer state and an open accumulation window; not copyable.
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
