@@ -1,9 +1,11 @@
-// Trains the zoo's small CNN on Fashion-MNIST twice from the same seed, once with LibTorch's AdamW and once
-// with memsave's AdamW8bit, and prints both test accuracies and the optimizer state each kept (from the
-// meter).
+// Trains the zoo's small CNN on Fashion-MNIST twice from the same seed through memsave::Trainer: once plain
+// (fp32, LibTorch's AdamW) and once with the recipe given on the command line (default: 8-bit AdamW state), and
+// prints both test accuracies, the optimizer state, the step peak (the meter) and the time. Exit 0 when the
+// recipe's accuracy is within the tolerance of the plain run's, 1 when not, 2 on bad input.
 //
-//   build/examples/fashion_mnist [--epochs N] [--data DIR]    (DIR: Debian's dataset-fashion-mnist by
-//   default)
+//   build/examples/fashion_mnist [--epochs N] [--data DIR] [--micro-batch 32] [--amp bf16]
+//                                [--checkpoint every|N] [--state-bits 8] [--max-grad-norm 1.0] [--limit IMAGES]
+//   (DIR: Debian's dataset-fashion-mnist by default)
 #include <memsave/memsave.h>
 
 #include "zoo/zoo.h"
@@ -11,6 +13,8 @@
 #include <torch/torch.h>
 #include <zlib.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -65,76 +69,121 @@ double accuracy(torch::nn::Sequential& net, const Split& test) {
   return 100.0 * static_cast<double>(correct) / static_cast<double>(test.images.size(0));
 }
 
-double train(bool eight_bit, bool bf16, const Split& train_set, const Split& test, int epochs,
-             int64_t* state_bytes) {
+struct Outcome {
+  double accuracy = 0;
+  int64_t state_bytes = 0;  ///< the optimizer's state tensors (memsave::optimizer_state_tensors)
+  int64_t peak_bytes = 0;   ///< the highest step peak (memsave's meter)
+  double seconds = 0;       ///< training time
+};
+
+Outcome train(const memsave::Recipe& recipe, const Split& train_set, const Split& test, int epochs) {
   torch::manual_seed(0);
   auto net = memsave::zoo::fashion_cnn();
-  std::unique_ptr<torch::optim::Optimizer> opt;
-  if (eight_bit) {
-    opt = std::make_unique<memsave::optim::AdamW8bit>(net->parameters(),
-                                                      memsave::optim::AdamW8bitOptions(1e-3));
-  } else {
-    opt = std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(1e-3));
-  }
+  memsave::Trainer trainer(net, memsave::adamw(1e-3, 1e-2), recipe);
+  auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
   constexpr int64_t kBatch = 128;
   const int64_t n = train_set.images.size(0);
+  Outcome outcome;
   for (int epoch = 0; epoch < epochs; ++epoch) {
     const auto order = torch::randperm(n, torch::kLong);
     for (int64_t i = 0; i + kBatch <= n; i += kBatch) {
       const auto index = order.narrow(0, i, kBatch);
-      opt->zero_grad();
-      torch::Tensor loss;
-      {
-        memsave::amp::Autocast autocast(torch::kCPU, torch::kBFloat16, /*enabled=*/bf16);
-        loss = torch::nn::functional::cross_entropy(net->forward(train_set.images.index_select(0, index)),
-                                                    train_set.labels.index_select(0, index));
-      }
-      loss.backward();
-      opt->step();
+      const memsave::StepStats stats =
+          trainer.step(train_set.images.index_select(0, index), train_set.labels.index_select(0, index), loss);
+      outcome.peak_bytes = std::max(outcome.peak_bytes, stats.peak_bytes);
+      outcome.seconds += stats.seconds;
     }
-    std::printf("  %s epoch %d: test accuracy %.2f%%\n",
-                eight_bit ? "AdamW8bit  " : (bf16 ? "AdamW, bf16" : "AdamW      "), epoch + 1,
+    std::printf("  %-40s epoch %d: test accuracy %.2f%%\n", recipe.label().c_str(), epoch + 1,
                 accuracy(net, test));
     std::fflush(stdout);
   }
-  int64_t bytes = 0;
-  for (const auto& t : memsave::optimizer_state_tensors(*opt)) bytes += t.numel() * t.element_size();
-  *state_bytes = bytes;
-  return accuracy(net, test);
+  for (const auto& t : memsave::optimizer_state_tensors(trainer.optimizer()))
+    outcome.state_bytes += t.numel() * t.element_size();
+  outcome.accuracy = accuracy(net, test);
+  return outcome;
+}
+
+int usage() {
+  std::fprintf(stderr,
+               "usage: fashion_mnist [--epochs N >= 1] [--data DIR] [--limit IMAGES] [--tolerance POINTS]\n"
+               "                     [--compare 8bit|bf16] [--micro-batch N] [--amp bf16] [--checkpoint every|N]\n"
+               "                     [--state-bits 8|32] [--max-grad-norm X]\n");
+  return 2;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   int epochs = 3;
-  std::string dir = "/usr/share/datasets/fashion-mnist", compare = "8bit";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--epochs") == 0) epochs = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--data") == 0) dir = argv[i + 1];
-    if (std::strcmp(argv[i], "--compare") == 0) compare = argv[i + 1];
-  }
-  if (epochs < 1 || (compare != "8bit" && compare != "bf16")) {
-    std::fprintf(stderr, "usage: fashion_mnist [--epochs N >= 1] [--compare 8bit|bf16] [--data DIR]\n");
-    return 2;
-  }
-  const bool eight_bit = compare == "8bit";
+  int64_t limit = 0;
+  double tolerance = -1;
+  std::string dir = "/usr/share/datasets/fashion-mnist";
+  memsave::Recipe recipe;
+  bool any_recipe = false;
   try {
-    const Split train_set = load(dir, "train"), test = load(dir, "t10k");
-    std::printf("Fashion-MNIST: %lld training and %lld test images, %d epochs, batch 128, lr 1e-3\n",
+    for (int i = 1; i < argc; i += 2) {
+      if (i + 1 >= argc) return usage();
+      const std::string flag = argv[i], value = argv[i + 1];
+      if (flag == "--epochs") {
+        epochs = std::stoi(value);
+      } else if (flag == "--data") {
+        dir = value;
+      } else if (flag == "--limit") {
+        limit = std::stoll(value);
+      } else if (flag == "--tolerance") {
+        tolerance = std::stod(value);
+      } else if (flag == "--compare" && value == "8bit") {
+        recipe.state_bits(8);
+      } else if (flag == "--compare" && value == "bf16") {
+        recipe.amp(torch::kBFloat16);
+      } else if (flag == "--micro-batch") {
+        recipe.micro_batch(std::stoll(value));
+      } else if (flag == "--amp" && value == "bf16") {
+        recipe.amp(torch::kBFloat16);
+      } else if (flag == "--checkpoint") {
+        recipe.checkpoint(value == "every" ? memsave::Checkpointing::every_layer()
+                                           : memsave::Checkpointing::segments(std::stoll(value)));
+      } else if (flag == "--state-bits") {
+        recipe.state_bits(std::stoll(value));
+      } else if (flag == "--max-grad-norm") {
+        recipe.max_grad_norm(std::stod(value));
+      } else {
+        return usage();
+      }
+      any_recipe = any_recipe || (flag != "--epochs" && flag != "--data" && flag != "--limit" &&
+                                  flag != "--tolerance");
+    }
+  } catch (const std::exception&) {
+    return usage();
+  }
+  if (epochs < 1 || limit < 0) return usage();
+  if (!any_recipe) recipe.state_bits(8);  // the default comparison: AdamW against AdamW8bit
+  // Within 0.5 points for one technique, 1 point for a combination, unless --tolerance says otherwise.
+  const int techniques = (recipe.micro_batch() > 0) + recipe.amp().has_value() +
+                         (recipe.checkpoint().kind != memsave::Checkpointing::Kind::kNone) +
+                         (recipe.state_bits() != 32) + (recipe.max_grad_norm() > 0);
+  if (tolerance < 0) tolerance = techniques > 1 ? 1.0 : 0.5;
+  try {
+    Split train_set = load(dir, "train");
+    const Split test = load(dir, "t10k");
+    if (limit > 0 && limit < train_set.images.size(0))
+      train_set = {train_set.images.narrow(0, 0, limit), train_set.labels.narrow(0, 0, limit)};
+    std::printf("Fashion-MNIST: %lld training and %lld test images, %d epochs, batch 128, AdamW lr 1e-3\n",
                 static_cast<long long>(train_set.images.size(0)), static_cast<long long>(test.images.size(0)),
                 epochs);
-    int64_t fp32_state = 0, other_state = 0;
-    const double fp32 = train(false, false, train_set, test, epochs, &fp32_state);
-    const double other = train(eight_bit, !eight_bit, train_set, test, epochs, &other_state);
-    const char* name = eight_bit ? "AdamW8bit" : "AdamW with bf16 autocast";
-    std::printf("test accuracy: AdamW %.2f%%, %s %.2f%% (difference %+.2f points)\n", fp32, name, other,
-                other - fp32);
-    if (eight_bit) {
-      std::printf("optimizer state: AdamW %lld bytes, AdamW8bit %lld bytes (%.2fx smaller)\n",
-                  static_cast<long long>(fp32_state), static_cast<long long>(other_state),
-                  static_cast<double>(fp32_state) / static_cast<double>(other_state));
-    }
-    return std::abs(other - fp32) <= 0.5 ? 0 : 1;
+    std::printf("recipe: %s\n", recipe.to_cpp().c_str());
+    const Outcome base = train(memsave::Recipe(), train_set, test, epochs);
+    const Outcome other = train(recipe, train_set, test, epochs);
+    std::printf("test accuracy: fp32 AdamW %.2f%%, %s %.2f%% (difference %+.2f points, tolerance %.2f)\n",
+                base.accuracy, recipe.label().c_str(), other.accuracy, other.accuracy - base.accuracy, tolerance);
+    std::printf("optimizer state: %lld vs %lld bytes (%.2fx smaller); step peak: %s vs %s; time: %.1f vs %.1f s\n",
+                static_cast<long long>(base.state_bytes), static_cast<long long>(other.state_bytes),
+                static_cast<double>(base.state_bytes) / static_cast<double>(other.state_bytes),
+                memsave::format_bytes(base.peak_bytes).c_str(), memsave::format_bytes(other.peak_bytes).c_str(),
+                base.seconds, other.seconds);
+    return std::abs(other.accuracy - base.accuracy) <= tolerance ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fashion_mnist: %s\n", e.what());
     return 2;

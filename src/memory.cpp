@@ -17,12 +17,18 @@
 namespace memsave {
 namespace {
 
+/// Open HostAllocationScopes of this thread.
+thread_local int host_scopes = 0;
+
 /// A CPU allocator over a counted pool. Blocks carry their size, so `data == context` as LibTorch requires.
 class CountingAllocator final : public compat::Allocator {
  public:
-  CountingAllocator(const char* pool_name, kernels::RawMemory raw) : pool_name_(pool_name), raw_(raw) {}
+  CountingAllocator(const char* pool_name, kernels::RawMemory raw,
+                    CountingAllocator& (*in_host_scope)() = nullptr)
+      : pool_name_(pool_name), raw_(raw), in_host_scope_(in_host_scope) {}
 
   c10::DataPtr allocate_bytes(size_t nbytes) override {
+    if (in_host_scope_ != nullptr && host_scopes > 0) return in_host_scope_().allocate_bytes(nbytes);
     const c10::Device cpu(c10::kCPU);
     if (nbytes == 0) return {nullptr, nullptr, &kernels::free_block, cpu};
     const kernels::Block block = kernels::allocate_block(pool_, nbytes, raw_);
@@ -45,15 +51,11 @@ class CountingAllocator final : public compat::Allocator {
  private:
   const char* pool_name_;
   kernels::RawMemory raw_;
+  /// Where allocations go while the thread has a HostAllocationScope open (made on first use: the host arena
+  /// probes for CUDA, which must not happen when the meter installs itself at program start).
+  CountingAllocator& (*in_host_scope_)();
   kernels::BytePool pool_;
 };
-
-// NOTE: leaked on purpose: tensors freed during static destruction still reach their pool through the
-// block header, so the pools must outlive every other static.
-CountingAllocator& cpu_allocator() {
-  static auto* allocator = new CountingAllocator("CPU device pool", kernels::aligned_host_memory());
-  return *allocator;
-}
 
 bool& host_pinned() {
   static bool pinned = false;
@@ -71,6 +73,14 @@ CountingAllocator& host_arena() {
 #endif
     return new CountingAllocator("host arena", raw);
   }();
+  return *allocator;
+}
+
+// NOTE: leaked on purpose: tensors freed during static destruction still reach their pool through the
+// block header, so the pools must outlive every other static.
+CountingAllocator& cpu_allocator() {
+  static auto* allocator =
+      new CountingAllocator("CPU device pool", kernels::aligned_host_memory(), &host_arena);
   return *allocator;
 }
 
@@ -222,6 +232,9 @@ bool host_memory_is_pinned() {
   host_arena();
   return host_pinned();
 }
+
+HostAllocationScope::HostAllocationScope() { ++host_scopes; }
+HostAllocationScope::~HostAllocationScope() { --host_scopes; }
 
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::detail::empty_generic(sizes, host_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,

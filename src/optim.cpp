@@ -2,6 +2,7 @@
 
 #include "../kernels/optim_cpu.h"
 #include "../kernels/qmap.h"
+#include "archive.h"
 #include "optim_internal.h"
 
 #include <ATen/Parallel.h>
@@ -13,35 +14,13 @@ namespace memsave::optim {
 namespace {
 
 namespace k = memsave::kernels;
+using memsave::detail::read_betas;
+using memsave::detail::read_bool;
+using memsave::detail::read_double;
+using memsave::detail::read_int;
+using memsave::detail::write_betas;
 using torch::serialize::InputArchive;
 using torch::serialize::OutputArchive;
-
-double read_double(InputArchive& archive, const char* key) {
-  c10::IValue value;
-  archive.read(key, value);
-  return value.to<double>();
-}
-
-int64_t read_int(InputArchive& archive, const char* key) {
-  c10::IValue value;
-  archive.read(key, value);
-  return value.to<int64_t>();
-}
-
-bool read_bool(InputArchive& archive, const char* key) {
-  c10::IValue value;
-  archive.read(key, value);
-  return value.to<bool>();
-}
-
-void write_betas(OutputArchive& archive, const betas_t& betas) {
-  archive.write("beta1", std::get<0>(betas));
-  archive.write("beta2", std::get<1>(betas));
-}
-
-betas_t read_betas(InputArchive& archive) {
-  return {read_double(archive, "beta1"), read_double(archive, "beta2")};
-}
 
 const char* kind_name(int32_t kind) {
   static const char* const kNames[] = {"Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit"};

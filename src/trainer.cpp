@@ -1,6 +1,7 @@
 #include "memsave/trainer.h"
 
 #include "memsave/memory.h"
+#include "memsave/offload.h"
 #include "memsave/optim.h"
 
 #include <c10/util/Exception.h>
@@ -40,6 +41,9 @@ void check_recipe(const Recipe& r, c10::Device device) {
                 "Recipe: amp Half needs a CUDA model (CPU autocast is BFloat16 only); the model is on ",
                 device);
   }
+  TORCH_CHECK(!r.offload_activations() || r.checkpoint().kind != Checkpointing::Kind::kNone,
+              "Recipe: offload_activations keeps the inputs of checkpointed pieces in host memory; it needs a "
+              "checkpoint policy");
   const Checkpointing& c = r.checkpoint();
   TORCH_CHECK(c.kind != Checkpointing::Kind::kSegments || c.count >= 1,
               "Recipe: checkpoint segments must be >= 1, got ", c.count);
@@ -75,6 +79,8 @@ std::string Recipe::to_cpp() const {
       break;
   }
   if (state_bits() != 32) out << ".state_bits(" << state_bits() << ")";
+  if (offload() == Offload::kOptimizerState) out << ".offload(memsave::Offload::kOptimizerState)";
+  if (offload_activations()) out << ".offload_activations(true)";
   if (max_grad_norm() > 0) out << ".max_grad_norm(" << max_grad_norm() << ")";
   if (loss_reduction() == LossReduction::kSum) out << ".loss_reduction(memsave::LossReduction::kSum)";
   return out.str();
@@ -94,6 +100,8 @@ std::string Recipe::label() const {
       break;
   }
   if (state_bits() != 32) parts.push_back(std::to_string(state_bits()) + "-bit state");
+  if (offload() == Offload::kOptimizerState) parts.push_back("offload state");
+  if (offload_activations()) parts.push_back("offload activations");
   if (parts.empty()) return "baseline";
   std::string label = parts[0];
   for (size_t i = 1; i < parts.size(); ++i) label += " + " + parts[i];
@@ -103,6 +111,10 @@ std::string Recipe::label() const {
 OptimizerFactory adamw(double lr, double weight_decay) {
   return [lr, weight_decay](const std::vector<torch::Tensor>& parameters,
                             const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (recipe.offload() == Offload::kOptimizerState) {
+      return std::make_unique<OffloadOptimizer>(
+          parameters, OffloadOptimizerOptions(lr).weight_decay(weight_decay).state_bits(recipe.state_bits()));
+    }
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::AdamW8bit>(parameters,
                                                 optim::AdamW8bitOptions(lr).weight_decay(weight_decay));
@@ -116,6 +128,8 @@ OptimizerFactory sgd(double lr, double momentum) {
               momentum);
   return [lr, momentum](const std::vector<torch::Tensor>& parameters,
                         const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
+    TORCH_CHECK(recipe.offload() == Offload::kNone,
+                "sgd: offloading the optimizer state is implemented for AdamW (memsave::adamw) only");
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::SGD8bit>(parameters, optim::SGD8bitOptions(lr).momentum(momentum));
     return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(lr).momentum(momentum));
@@ -167,19 +181,20 @@ void Trainer::apply(const torch::nn::Sequential& model) {
   const Checkpointing& c = recipe_.checkpoint();
   const auto n = static_cast<int64_t>(model->size());
   nn::CheckpointSequential wrapped{nullptr};
+  const CheckpointOptions options = CheckpointOptions().offload_inputs(recipe_.offload_activations());
   switch (c.kind) {
     case Checkpointing::Kind::kNone:
       break;
     case Checkpointing::Kind::kEveryLayer:
-      wrapped = nn::checkpoint_sequential(model, n);
+      wrapped = nn::checkpoint_sequential(model, n, options);
       break;
     case Checkpointing::Kind::kSegments:
       TORCH_CHECK(c.count <= n, "Recipe: checkpoint segments must be at most the model's ", n,
                   " elements, got ", c.count);
-      wrapped = nn::checkpoint_sequential(model, c.count);
+      wrapped = nn::checkpoint_sequential(model, c.count, options);
       break;
     case Checkpointing::Kind::kPolicy:
-      wrapped = nn::checkpoint_sequential(model, c.keep, c.max_run);
+      wrapped = nn::checkpoint_sequential(model, c.keep, c.max_run, options);
       break;
   }
   if (wrapped) {

@@ -5,5 +5,6 @@
 #include <memsave/amp.h>
 #include <memsave/checkpoint.h>
 #include <memsave/memory.h>
+#include <memsave/offload.h>
 #include <memsave/optim.h>
 #include <memsave/trainer.h>

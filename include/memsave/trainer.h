@@ -50,6 +50,13 @@ struct Checkpointing {
 
 enum class GradScaling { kAuto, kOn, kOff };
 
+/// What a Trainer keeps in host memory instead of on the device.
+enum class Offload {
+  kNone,
+  /// fp32 master weights and optimizer state, stepped on the CPU (memsave::OffloadOptimizer; AdamW only).
+  kOptimizerState,
+};
+
 /// A point in the trade-off space.
 struct Recipe {
   /// Whether a GradScaler is used (resolves kAuto).
@@ -70,6 +77,10 @@ struct Recipe {
   TORCH_ARG(Checkpointing, checkpoint) = Checkpointing::none();
   /// Optimizer state: 32 (fp32) or 8 (memsave's 8-bit optimizers).
   TORCH_ARG(int64_t, state_bits) = 32;
+  /// Optimizer state in host memory.
+  TORCH_ARG(Offload, offload) = Offload::kNone;
+  /// Inputs of the recomputed checkpoint pieces in host memory (needs checkpointing).
+  TORCH_ARG(bool, offload_activations) = false;
   /// When > 0, the global gradient norm is clipped to this after unscaling, before each step.
   TORCH_ARG(double, max_grad_norm) = 0;
   /// What the loss function returns for a micro-batch: the mean over its items (default) or their sum.
@@ -80,9 +91,10 @@ struct Recipe {
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
     const std::vector<torch::Tensor>& parameters, const Recipe& recipe)>;
 
-/// AdamW: LibTorch's torch::optim::AdamW for 32-bit state, memsave::optim::AdamW8bit for 8-bit.
+/// AdamW: LibTorch's torch::optim::AdamW for 32-bit state, memsave::optim::AdamW8bit for 8-bit,
+/// memsave::OffloadOptimizer (with the recipe's bits) when the recipe offloads the optimizer state.
 OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
-/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit.
+/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit; no offload.
 OptimizerFactory sgd(double lr, double momentum = 0.9);
 
 struct StepStats {

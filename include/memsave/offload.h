@@ -1,0 +1,86 @@
+// CPU offload of optimizer state: fp32 master weights and the AdamW state (fp32 or 8-bit) live in host memory
+// (memsave's host arena, pinned when CUDA is present) and are stepped there by memsave's fused CPU kernels on
+// all threads; the device keeps only the parameters and their gradients.
+//
+//   memsave::OffloadOptimizer opt(net->parameters(), memsave::OffloadOptimizerOptions(1e-3).state_bits(8));
+//   ... loss.backward(); opt.step();          // gradients → host, CPU step, parameters → device
+//
+// It is a torch::optim::Optimizer over the device parameters, so a GradScaler (unscale_, the inf check, the
+// skipped step), gradient clipping and accumulation (gradients accumulate on the device and are copied once,
+// at the step) work unchanged. On a machine without a GPU the "device" is the CPU device pool, and the state in
+// the host arena is what a GPU would not have to hold: the meter shows the saving ("CPU, simulated device").
+#pragma once
+
+#include <memsave/memory.h>
+#include <memsave/optim.h>
+
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
+
+#include <memory>
+#include <vector>
+
+namespace memsave {
+
+struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<OffloadOptimizerOptions> {
+  OffloadOptimizerOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT: implicit, as LibTorch's options
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Coefficients of the running averages of the gradient and of its square.
+  TORCH_ARG(optim::betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator.
+  TORCH_ARG(double, eps) = 1e-8;
+  /// Decoupled weight decay (AdamW).
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  /// Bits per element of the host-side state: 32 or 8 (blockwise, as AdamW8bit).
+  TORCH_ARG(int64_t, state_bits) = 32;
+  /// Tensors with fewer elements stay on the device with an on-device AdamW (0: offload everything).
+  TORCH_ARG(int64_t, min_offload_size) = 0;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const OffloadOptimizerOptions& a, const OffloadOptimizerOptions& b);
+};
+
+class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
+ public:
+  explicit OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options = {});
+  /// NOTE: copying would duplicate or alias the host state; move the optimizer or hold it by pointer.
+  OffloadOptimizer(const OffloadOptimizer&) = delete;
+  OffloadOptimizer& operator=(const OffloadOptimizer&) = delete;
+
+  /// Copies the gradients to the host, steps the master weights there (parameters without a gradient are
+  /// skipped), and copies them back into the parameters. An error before the copy back leaves parameters and
+  /// state as they were.
+  torch::Tensor step(LossClosure closure = nullptr) override;
+  void save(torch::serialize::OutputArchive& archive) const override;
+  /// Loads what `save` wrote; a file for other parameters is an error that changes nothing.
+  void load(torch::serialize::InputArchive& archive) override;
+
+  /// The state kept on the device (the small tensors' on-device AdamW), for the meter; the host-side state is
+  /// in `host_state_tensors`.
+  std::vector<torch::Tensor> state_tensors() const override;
+  /// Master weights, gradient buffers and optimizer state in the host arena.
+  std::vector<torch::Tensor> host_state_tensors() const;
+  /// Whether `param`'s state lives in host memory.
+  bool offloaded(const torch::Tensor& param) const;
+
+ private:
+  struct Offloaded {
+    torch::Tensor param;   ///< on the device
+    torch::Tensor master;  ///< fp32, host arena; the inner optimizer's parameter
+    torch::Tensor grad;    ///< host arena buffer the gradient is copied into
+  };
+  const OffloadOptimizerOptions& options() const;
+  void sync_hyper_parameters();
+
+  std::vector<Offloaded> offloaded_;
+  std::unique_ptr<optim::AdamW8bit> host_;        ///< over the masters; state in the host arena
+  std::unique_ptr<torch::optim::AdamW> device_;  ///< over the small tensors, on the device
+};
+
+}  // namespace memsave

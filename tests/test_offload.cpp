@@ -1,0 +1,259 @@
+#include <memsave/accumulate.h>
+#include <memsave/memory.h>
+#include <memsave/offload.h>
+#include <memsave/optim.h>
+#include <memsave/trainer.h>
+
+#include "zoo/zoo.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+#include <sstream>
+#include <vector>
+
+namespace memsave {
+namespace {
+
+namespace tnn = torch::nn;
+namespace F = torch::nn::functional;
+
+tnn::Sequential model() {
+  torch::manual_seed(0);
+  return tnn::Sequential(tnn::Linear(64, 128), tnn::Tanh(), tnn::Linear(128, 128), tnn::Tanh(), tnn::Linear(128, 8));
+}
+
+/// `steps` steps of `opt` on `net` with a fixed stream of batches.
+void train(tnn::Sequential& net, torch::optim::Optimizer& opt, int steps) {
+  torch::manual_seed(42);
+  for (int s = 0; s < steps; ++s) {
+    opt.zero_grad();
+    const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+    F::cross_entropy(net->forward(x), y).backward();
+    opt.step();
+  }
+}
+
+void expect_same_parameters(tnn::Sequential& a, tnn::Sequential& b) {
+  const auto pa = a->parameters(), pb = b->parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i])) << "parameter " << i;
+}
+
+TEST(Offload, StepIsBitIdenticalToTheSameKernelOnTheDevice) {
+  for (int64_t bits : {32, 8}) {
+    SCOPED_TRACE(bits);
+    auto on_device = model(), offloaded = model();
+    // The on-device reference: the same fused kernel (AdamW8bit; fp32 state when nothing is quantized).
+    optim::AdamW8bit reference(on_device->parameters(),
+                               optim::AdamW8bitOptions(1e-3).min_8bit_size(
+                                   bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
+    OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
+    train(on_device, reference, 50);
+    train(offloaded, opt, 50);
+    expect_same_parameters(on_device, offloaded);
+  }
+}
+
+TEST(Offload, FiftyStepsMatchLibTorchsAdamW) {
+  auto plain = model(), offloaded = model();
+  torch::optim::AdamW reference(plain->parameters(), torch::optim::AdamWOptions(1e-3));
+  OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3));
+  train(plain, reference, 50);
+  train(offloaded, opt, 50);
+  const auto a = plain->parameters(), b = offloaded->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::allclose(a[i], b[i], 1e-4, 1e-6)) << i;
+}
+
+TEST(Offload, TheDevicePoolsPeakDropsByTheOptimizerState) {
+  install_meter();
+  auto peak_of_second_step = [](bool offload) {
+    auto net = model();
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (offload)
+      opt = std::make_unique<OffloadOptimizer>(net->parameters(), OffloadOptimizerOptions(1e-3));
+    else
+      opt = std::make_unique<optim::AdamW8bit>(
+          net->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(std::numeric_limits<int64_t>::max()));
+    train(net, *opt, 1);  // creates the state
+    torch::manual_seed(7);
+    const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+    PeakScope scope(torch::kCPU);
+    opt->zero_grad();
+    F::cross_entropy(net->forward(x), y).backward();
+    opt->step();
+    return scope.peak();
+  };
+  const int64_t params = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 8 + 8;
+  const int64_t on_device = peak_of_second_step(false);
+  const int64_t offloaded = peak_of_second_step(true);
+  // Adam's two fp32 moments are no longer in the device pool: exactly their bytes (the meter does not round).
+  EXPECT_EQ(on_device - offloaded, 2 * 4 * params);
+}
+
+TEST(Offload, StateLivesInTheHostArena) {
+  install_meter();
+  auto net = model();
+  const int64_t host_before = host_memory_stats().current;
+  {
+    OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+    train(net, opt, 1);
+    int64_t host_bytes = 0;
+    for (const auto& t : opt.host_state_tensors()) host_bytes += t.numel() * t.element_size();
+    EXPECT_EQ(host_memory_stats().current - host_before, host_bytes);
+    EXPECT_FALSE(opt.offloaded(net->parameters()[1]));  // a bias of 128 elements stays on the device
+    EXPECT_TRUE(opt.offloaded(net->parameters()[0]));
+    EXPECT_EQ(opt.state_tensors().size(), 3u * 2u);  // the three biases' AdamW moments, on the device
+  }
+  EXPECT_EQ(host_memory_stats().current, host_before);
+}
+
+TEST(Offload, AccumulationMatchesTheFullBatch) {
+  auto full = model(), micro = model();
+  OffloadOptimizer a(full->parameters(), OffloadOptimizerOptions(1e-2));
+  OffloadOptimizer b(micro->parameters(), OffloadOptimizerOptions(1e-2));
+  torch::manual_seed(3);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  F::cross_entropy(full->forward(x), y).backward();
+  a.step();
+  GradientAccumulator acc(b, AccumulateOptions().window(4));
+  for (const auto& part : split_micro_batches({x, y}, 8))
+    acc.backward(F::cross_entropy(micro->forward(part[0]), part[1]), 8);
+  // The gradients copied to the host (once per window) are the full batch's, up to float rounding. (The
+  // parameters after Adam's first step, ±lr·g/(|g|+eps), would amplify rounding where |g| is tiny.)
+  const auto ha = a.host_state_tensors(), hb = b.host_state_tensors();
+  for (size_t i = 1; i < 2 * full->parameters().size(); i += 2) {
+    const double scale = ha[i].abs().max().item<double>();
+    EXPECT_LE((ha[i] - hb[i]).abs().max().item<double>(), 1e-5 * scale) << i;
+  }
+}
+
+TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {
+  auto net = model();
+  OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8));
+  amp::GradScaler scaler;
+  GradientAccumulator acc(opt, AccumulateOptions(), &scaler);
+  torch::manual_seed(4);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  acc.backward(F::cross_entropy(net->forward(x), y), 32);  // a clean step creates the state
+  std::vector<torch::Tensor> params, state;
+  for (const auto& p : net->parameters()) params.push_back(p.clone());
+  for (const auto& t : opt.host_state_tensors()) state.push_back(t.clone());
+  const auto result = acc.backward(F::cross_entropy(net->forward(x), y) * std::numeric_limits<float>::quiet_NaN(), 32);
+  ASSERT_TRUE(result.has_value());
+  EXPECT_FALSE(result->stepped);
+  const auto now = net->parameters();
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], now[i]));
+  const auto host = opt.host_state_tensors();
+  // The gradient buffers (every second of the first 2n tensors) are scratch; masters and state must not move.
+  for (size_t i = 0; i < host.size(); ++i) {
+    if (i < 2 * params.size() && i % 2 == 1) continue;
+    EXPECT_TRUE(torch::equal(state[i], host[i])) << i;
+  }
+}
+
+TEST(Offload, ClippingSeesTheTrueGradients) {
+  auto on_device = model(), offloaded = model();
+  optim::AdamW8bit reference(on_device->parameters(),
+                             optim::AdamW8bitOptions(1e-3).min_8bit_size(std::numeric_limits<int64_t>::max()));
+  OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3));
+  auto clipped_training = [](tnn::Sequential& net, torch::optim::Optimizer& optimizer) {
+    GradientAccumulator acc(optimizer, AccumulateOptions().max_grad_norm(0.05));
+    torch::manual_seed(5);
+    for (int s = 0; s < 5; ++s) {
+      const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+      acc.backward(F::cross_entropy(net->forward(x), y), 32);
+    }
+  };
+  clipped_training(on_device, reference);
+  clipped_training(offloaded, opt);
+  expect_same_parameters(on_device, offloaded);
+}
+
+TEST(Offload, SaveAndLoadResumeExactly) {
+  auto straight = model(), resumed = model();
+  OffloadOptimizer a(straight->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+  train(straight, a, 3);
+  std::stringstream file;
+  {
+    torch::serialize::OutputArchive archive;
+    a.save(archive);
+    archive.save_to(file);
+  }
+  OffloadOptimizer b(resumed->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+  {
+    // The model is saved and loaded on its own, as with any optimizer: here, copied.
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < straight->parameters().size(); ++i)
+      resumed->parameters()[i].copy_(straight->parameters()[i]);
+  }
+  torch::serialize::InputArchive archive;
+  archive.load_from(file);
+  b.load(archive);
+  expect_same_parameters(straight, resumed);
+  train(straight, a, 3);
+  train(resumed, b, 3);
+  expect_same_parameters(straight, resumed);
+
+  // A file for other parameters changes nothing.
+  auto other = tnn::Sequential(tnn::Linear(3, 3));
+  OffloadOptimizer c(other->parameters());
+  std::stringstream file2;
+  torch::serialize::OutputArchive out;
+  c.save(out);
+  out.save_to(file2);
+  torch::serialize::InputArchive in;
+  in.load_from(file2);
+  const auto before = resumed->parameters()[0].clone();
+  EXPECT_THROW(b.load(in), c10::Error);
+  EXPECT_TRUE(torch::equal(before, resumed->parameters()[0]));
+}
+
+TEST(Offload, ParametersWithoutGradientsAreLeftAlone) {
+  auto net = model();
+  OffloadOptimizer opt(net->parameters());
+  const auto frozen = net->parameters()[4].clone();  // the last layer's weight
+  torch::manual_seed(6);
+  const auto x = torch::randn({4, 64});
+  net->forward(x).sum().backward();
+  net->parameters()[4].mutable_grad() = torch::Tensor();
+  opt.step();
+  EXPECT_TRUE(torch::equal(frozen, net->parameters()[4]));
+  EXPECT_FALSE(torch::equal(net->parameters()[0], model()->parameters()[0]));
+}
+
+TEST(OffloadErrors, BadInputIsRejected) {
+  auto cpu = torch::zeros({4}, torch::requires_grad());
+  auto meta = torch::empty({4}, torch::TensorOptions().device(torch::kMeta).requires_grad(true));
+  EXPECT_THROW(OffloadOptimizer({cpu, meta}), c10::Error);
+  EXPECT_THROW(OffloadOptimizer({cpu}, OffloadOptimizerOptions().state_bits(4)), c10::Error);
+  EXPECT_THROW(OffloadOptimizer({cpu}, OffloadOptimizerOptions(-1)), c10::Error);
+  EXPECT_THROW(OffloadOptimizer({cpu, cpu}), c10::Error);
+
+  auto p = torch::zeros({4, 3}, torch::requires_grad());
+  OffloadOptimizer opt({p});
+  p.mutable_grad() = torch::eye(4, 3).to_sparse();
+  EXPECT_THROW(opt.step(), c10::Error);
+  EXPECT_TRUE(torch::equal(p, torch::zeros({4, 3})));
+}
+
+TEST(Offload, TheTrainerOffloadsWithARecipe) {
+  torch::manual_seed(0);
+  auto net = zoo::fashion_cnn();
+  Trainer trainer(net, adamw(2e-3, 0.0),
+                  Recipe().offload(Offload::kOptimizerState).state_bits(8).checkpoint(Checkpointing::segments(3))
+                      .offload_activations(true).micro_batch(8));
+  EXPECT_NE(dynamic_cast<OffloadOptimizer*>(&trainer.optimizer()), nullptr);
+  const auto x = torch::randn({32, 1, 28, 28}), y = torch::randint(10, {32});
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) { return F::cross_entropy(out, target); };
+  const double first = trainer.step(x, y, ce).loss;
+  double last = first;
+  for (int s = 0; s < 8; ++s) last = trainer.step(x, y, ce).loss;
+  EXPECT_LT(last, first * 0.7);
+  EXPECT_THROW(Trainer(net, sgd(0.1), Recipe().offload(Offload::kOptimizerState)), c10::Error);
+  EXPECT_THROW(Trainer(net, adamw(), Recipe().offload_activations(true)), c10::Error);
+}
+
+}  // namespace
+}  // namespace memsave
