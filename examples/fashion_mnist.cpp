@@ -1,10 +1,11 @@
 // Trains the zoo's small CNN on Fashion-MNIST twice from the same seed through memsave::Trainer: once plain
-// (fp32, LibTorch's AdamW) and once with the recipe given on the command line (default: 8-bit AdamW state), and
-// prints both test accuracies, the optimizer state, the step peak (the meter) and the time. Exit 0 when the
-// recipe's accuracy is within the tolerance of the plain run's, 1 when not, 2 on bad input.
+// (fp32, LibTorch's AdamW) and once with the recipe given on the command line (default: 8-bit AdamW state),
+// and prints both test accuracies, the optimizer state, the step peak (the meter) and the time. Exit 0 when
+// the recipe's accuracy is within the tolerance of the plain run's, 1 when not, 2 on bad input.
 //
 //   build/examples/fashion_mnist [--epochs N] [--data DIR] [--micro-batch 32] [--amp bf16]
-//                                [--checkpoint every|N] [--state-bits 8] [--max-grad-norm 1.0] [--limit IMAGES]
+//                                [--checkpoint every|N] [--state-bits 8] [--max-grad-norm 1.0] [--limit
+//                                IMAGES]
 //   (DIR: Debian's dataset-fashion-mnist by default)
 #include <memsave/memsave.h>
 
@@ -90,8 +91,8 @@ Outcome train(const memsave::Recipe& recipe, const Split& train_set, const Split
     const auto order = torch::randperm(n, torch::kLong);
     for (int64_t i = 0; i + kBatch <= n; i += kBatch) {
       const auto index = order.narrow(0, i, kBatch);
-      const memsave::StepStats stats =
-          trainer.step(train_set.images.index_select(0, index), train_set.labels.index_select(0, index), loss);
+      const memsave::StepStats stats = trainer.step(train_set.images.index_select(0, index),
+                                                    train_set.labels.index_select(0, index), loss);
       outcome.peak_bytes = std::max(outcome.peak_bytes, stats.peak_bytes);
       outcome.seconds += stats.seconds;
     }
@@ -106,10 +107,11 @@ Outcome train(const memsave::Recipe& recipe, const Split& train_set, const Split
 }
 
 int usage() {
-  std::fprintf(stderr,
-               "usage: fashion_mnist [--epochs N >= 1] [--data DIR] [--limit IMAGES] [--tolerance POINTS]\n"
-               "                     [--compare 8bit|bf16] [--micro-batch N] [--amp bf16] [--checkpoint every|N]\n"
-               "                     [--state-bits 8|32] [--max-grad-norm X]\n");
+  std::fprintf(
+      stderr,
+      "usage: fashion_mnist [--epochs N >= 1] [--data DIR] [--limit IMAGES] [--tolerance POINTS]\n"
+      "                     [--compare 8bit|bf16] [--micro-batch N] [--amp bf16] [--checkpoint every|N]\n"
+      "                     [--state-bits 8|32] [--max-grad-norm X]\n");
   return 2;
 }
 
@@ -152,8 +154,8 @@ int main(int argc, char** argv) {
       } else {
         return usage();
       }
-      any_recipe = any_recipe || (flag != "--epochs" && flag != "--data" && flag != "--limit" &&
-                                  flag != "--tolerance");
+      any_recipe = any_recipe ||
+                   (flag != "--epochs" && flag != "--data" && flag != "--limit" && flag != "--tolerance");
     }
   } catch (const std::exception&) {
     return usage();
@@ -177,12 +179,14 @@ int main(int argc, char** argv) {
     const Outcome base = train(memsave::Recipe(), train_set, test, epochs);
     const Outcome other = train(recipe, train_set, test, epochs);
     std::printf("test accuracy: fp32 AdamW %.2f%%, %s %.2f%% (difference %+.2f points, tolerance %.2f)\n",
-                base.accuracy, recipe.label().c_str(), other.accuracy, other.accuracy - base.accuracy, tolerance);
-    std::printf("optimizer state: %lld vs %lld bytes (%.2fx smaller); step peak: %s vs %s; time: %.1f vs %.1f s\n",
-                static_cast<long long>(base.state_bytes), static_cast<long long>(other.state_bytes),
-                static_cast<double>(base.state_bytes) / static_cast<double>(other.state_bytes),
-                memsave::format_bytes(base.peak_bytes).c_str(), memsave::format_bytes(other.peak_bytes).c_str(),
-                base.seconds, other.seconds);
+                base.accuracy, recipe.label().c_str(), other.accuracy, other.accuracy - base.accuracy,
+                tolerance);
+    std::printf(
+        "optimizer state: %lld vs %lld bytes (%.2fx smaller); step peak: %s vs %s; time: %.1f vs %.1f s\n",
+        static_cast<long long>(base.state_bytes), static_cast<long long>(other.state_bytes),
+        static_cast<double>(base.state_bytes) / static_cast<double>(other.state_bytes),
+        memsave::format_bytes(base.peak_bytes).c_str(), memsave::format_bytes(other.peak_bytes).c_str(),
+        base.seconds, other.seconds);
     return std::abs(other.accuracy - base.accuracy) <= tolerance ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "fashion_mnist: %s\n", e.what());

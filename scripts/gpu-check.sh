@@ -32,7 +32,7 @@ if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -
   tail -30 "$out/configure.log"; note "FAILED: configure (see configure.log)"; exit 1
 fi
 if ! cmake --build "$build" --parallel "$(nproc)" --target memsave_tests memsave_cuda_tests memsave_kernel_tests \
-     memsave_bench_optim_cuda >"$out/build.log" 2>&1; then
+     memsave_bench_optim_cuda memsave_bench_offload >"$out/build.log" 2>&1; then
   grep -E "error" "$out/build.log" | head -30; note "FAILED: build (see build.log)"; exit 1
 fi
 note "build: $(( $(date +%s) - start )) s"
@@ -47,11 +47,15 @@ run_tests() {  # binary, filter
   fi
 }
 run_tests tests/memsave_cuda_tests '*'
-run_tests tests/memsave_tests 'Cuda*:EightBit*:Fp32State*:Meter*'
+run_tests tests/memsave_tests 'Cuda*:EightBit*:Fp32State*:Meter*:Checkpoint*:Offload*'
 run_tests tests/kernels/memsave_kernel_tests '*'
 
 "$build/bench/memsave_bench_optim_cuda" 1000000000 >"$out/bench_optim_cuda.txt" 2>&1 || status=1
 note "benchmark (bench/bench_optim_cuda.cpp, 10^9 parameters):"
 cat "$out/bench_optim_cuda.txt" | tee -a "$summary"
+"$build/bench/memsave_bench_offload" --device cuda --model gpt-1b --batch 4 --steps 3 >"$out/bench_offload.txt" 2>&1 ||
+  status=1
+note "benchmark (bench/bench_offload.cpp, gpt-1b on CUDA):"
+cat "$out/bench_offload.txt" | tee -a "$summary"
 note "total: $(( $(date +%s) - start )) s, status $status"
 exit $status

@@ -24,8 +24,8 @@ void check_options(const OffloadOptimizerOptions& o) {
   const auto [beta1, beta2] = o.betas();
   TORCH_CHECK(beta1 >= 0 && beta1 < 1, "OffloadOptimizer: invalid beta1: ", beta1);
   TORCH_CHECK(beta2 >= 0 && beta2 < 1, "OffloadOptimizer: invalid beta2: ", beta2);
-  TORCH_CHECK(o.state_bits() == 32 || o.state_bits() == 8, "OffloadOptimizer: state_bits must be 32 or 8, got ",
-              o.state_bits());
+  TORCH_CHECK(o.state_bits() == 32 || o.state_bits() == 8,
+              "OffloadOptimizer: state_bits must be 32 or 8, got ", o.state_bits());
   TORCH_CHECK(o.min_offload_size() >= 0, "OffloadOptimizer: min_offload_size must be >= 0, got ",
               o.min_offload_size());
 }
@@ -63,8 +63,9 @@ void OffloadOptimizerOptions::serialize(torch::serialize::InputArchive& archive)
 }
 
 bool operator==(const OffloadOptimizerOptions& a, const OffloadOptimizerOptions& b) {
-  return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() && a.weight_decay() == b.weight_decay() &&
-         a.state_bits() == b.state_bits() && a.min_offload_size() == b.min_offload_size();
+  return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
+         a.weight_decay() == b.weight_decay() && a.state_bits() == b.state_bits() &&
+         a.min_offload_size() == b.min_offload_size();
 }
 
 OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options)
@@ -78,8 +79,8 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
   for (size_t i = 0; i < params.size(); ++i) {
     const torch::Tensor& p = params[i];
     TORCH_CHECK(p.defined() && p.is_leaf(), "OffloadOptimizer: parameter ", i, " is not a leaf tensor");
-    TORCH_CHECK(p.device() == device, "OffloadOptimizer: the parameters are on several devices (", device, " and ",
-                p.device(), " for parameter ", i, ")");
+    TORCH_CHECK(p.device() == device, "OffloadOptimizer: the parameters are on several devices (", device,
+                " and ", p.device(), " for parameter ", i, ")");
     TORCH_CHECK(p.is_floating_point(), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
                 ", not floating point");
     TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "OffloadOptimizer: parameter ", i,
@@ -113,7 +114,8 @@ void OffloadOptimizer::sync_hyper_parameters() {
     static_cast<optim::AdamW8bitOptions&>(host_->param_groups().front().options()) = host_options(options());
   }
   if (device_) {
-    static_cast<torch::optim::AdamWOptions&>(device_->param_groups().front().options()) = device_options(options());
+    static_cast<torch::optim::AdamWOptions&>(device_->param_groups().front().options()) =
+        device_options(options());
   }
 }
 
@@ -130,8 +132,8 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
   for (const Offloaded& o : offloaded_) {
     const torch::Tensor& g = o.param.grad();
     TORCH_CHECK(!g.defined() || !g.is_sparse(), "OffloadOptimizer: sparse gradients are not supported");
-    TORCH_CHECK(!g.defined() || g.sizes() == o.param.sizes(), "OffloadOptimizer: a gradient of shape ", g.sizes(),
-                " for a parameter of shape ", o.param.sizes());
+    TORCH_CHECK(!g.defined() || g.sizes() == o.param.sizes(), "OffloadOptimizer: a gradient of shape ",
+                g.sizes(), " for a parameter of shape ", o.param.sizes());
   }
   bool on_cuda = false;
   for (Offloaded& o : offloaded_) {
@@ -184,7 +186,8 @@ bool OffloadOptimizer::offloaded(const torch::Tensor& param) const {
 
 void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("offload/count", static_cast<int64_t>(offloaded_.size()));
-  for (size_t i = 0; i < offloaded_.size(); ++i) archive.write("offload/master" + std::to_string(i), offloaded_[i].master);
+  for (size_t i = 0; i < offloaded_.size(); ++i)
+    archive.write("offload/master" + std::to_string(i), offloaded_[i].master);
   if (host_) {
     torch::serialize::OutputArchive inner;
     host_->save(inner);
@@ -200,15 +203,15 @@ void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
 void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   // Everything is read and checked into temporaries first; the optimizer changes only when all of it is good.
   const int64_t count = read_int(archive, "offload/count");
-  TORCH_CHECK(count == static_cast<int64_t>(offloaded_.size()), "OffloadOptimizer::load: the file has ", count,
-              " offloaded parameters, this optimizer ", offloaded_.size());
+  TORCH_CHECK(count == static_cast<int64_t>(offloaded_.size()), "OffloadOptimizer::load: the file has ",
+              count, " offloaded parameters, this optimizer ", offloaded_.size());
   std::vector<torch::Tensor> masters;
   for (int64_t i = 0; i < count; ++i) {
     torch::Tensor master;
     archive.read("offload/master" + std::to_string(i), master);
     TORCH_CHECK(master.sizes() == offloaded_[i].master.sizes() && master.scalar_type() == torch::kFloat,
-                "OffloadOptimizer::load: master weight ", i, " is ", master.scalar_type(), " ", master.sizes(),
-                ", expected Float ", offloaded_[i].master.sizes());
+                "OffloadOptimizer::load: master weight ", i, " is ", master.scalar_type(), " ",
+                master.sizes(), ", expected Float ", offloaded_[i].master.sizes());
     masters.push_back(master);
   }
   std::unique_ptr<optim::AdamW8bit> host;
@@ -223,7 +226,8 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   }
   std::unique_ptr<torch::optim::AdamW> device;
   if (device_) {
-    device = std::make_unique<torch::optim::AdamW>(device_->param_groups().front().params(), device_options(options()));
+    device = std::make_unique<torch::optim::AdamW>(device_->param_groups().front().params(),
+                                                   device_options(options()));
     torch::serialize::InputArchive inner;
     archive.read("offload/device", inner);
     device->load(inner);

@@ -41,9 +41,10 @@ void check_recipe(const Recipe& r, c10::Device device) {
                 "Recipe: amp Half needs a CUDA model (CPU autocast is BFloat16 only); the model is on ",
                 device);
   }
-  TORCH_CHECK(!r.offload_activations() || r.checkpoint().kind != Checkpointing::Kind::kNone,
-              "Recipe: offload_activations keeps the inputs of checkpointed pieces in host memory; it needs a "
-              "checkpoint policy");
+  TORCH_CHECK(
+      !r.offload_activations() || r.checkpoint().kind != Checkpointing::Kind::kNone,
+      "Recipe: offload_activations keeps the inputs of checkpointed pieces in host memory; it needs a "
+      "checkpoint policy");
   const Checkpointing& c = r.checkpoint();
   TORCH_CHECK(c.kind != Checkpointing::Kind::kSegments || c.count >= 1,
               "Recipe: checkpoint segments must be >= 1, got ", c.count);

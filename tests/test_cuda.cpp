@@ -1,6 +1,8 @@
-// CUDA: the meter's device pool and budget, pinned host arena, and the optimizer kernels' launches and scaler
-// inputs. Every test skips at run time without a device.
+// CUDA: the meter's device pool and budget, pinned host arena, the optimizer kernels' launches and scaler
+// inputs, offload from a CUDA model and checkpointing on CUDA. Every test skips at run time without a device.
+#include <memsave/checkpoint.h>
 #include <memsave/memory.h>
+#include <memsave/offload.h>
 #include <memsave/optim.h>
 
 #include "../kernels/optim_cuda.h"
@@ -119,6 +121,57 @@ TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
   const auto start = torch::randn({4096});
   EXPECT_TRUE(torch::equal(run(1, 1, 0), run(1024, 1.0f / 1024, 0)));  // unscaling by a power of two is exact
   EXPECT_TRUE(torch::equal(run(1, 1, 1), start)) << "found_inf must leave the parameters unchanged";
+}
+
+TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
+  SKIP_WITHOUT_CUDA();
+  // The host step is the same CPU kernel whatever the device: with the same gradients, a CUDA model and a CPU
+  // model end bit-identical, and the CUDA pool holds no optimizer state.
+  torch::manual_seed(0);
+  auto cpu = torch::nn::Linear(256, 256), cuda = torch::nn::Linear(256, 256);
+  {
+    torch::NoGradGuard no_grad;
+    cuda->weight.copy_(cpu->weight);
+    cuda->bias.copy_(cpu->bias);
+  }
+  cuda->to(kCuda);
+  for (int64_t bits : {32, 8}) {
+    OffloadOptimizer a(cpu->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
+    OffloadOptimizer b(cuda->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
+    EXPECT_TRUE(b.state_tensors().empty());
+    for (int step = 0; step < 5; ++step) {
+      for (size_t i = 0; i < 2; ++i) {
+        const auto g = torch::randn(cpu->parameters()[i].sizes());
+        cpu->parameters()[i].mutable_grad() = g;
+        cuda->parameters()[i].mutable_grad() = g.to(kCuda);
+      }
+      a.step();
+      b.step();
+    }
+    for (size_t i = 0; i < 2; ++i)
+      EXPECT_TRUE(torch::equal(cpu->parameters()[i], cuda->parameters()[i].cpu()));
+  }
+}
+
+TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {
+  SKIP_WITHOUT_CUDA();
+  auto make = [] {
+    torch::manual_seed(0);
+    return torch::nn::Sequential(torch::nn::Linear(64, 64), torch::nn::Dropout(0.3), torch::nn::ReLU(),
+                                 torch::nn::Linear(64, 64), torch::nn::Dropout(0.3),
+                                 torch::nn::Linear(64, 8));
+  };
+  auto plain = make(), wrapped = make();
+  plain->to(kCuda);
+  wrapped->to(kCuda);
+  auto net = nn::checkpoint_sequential(wrapped, 3, CheckpointOptions().offload_inputs(true));
+  const auto x = torch::randn({16, 64}, torch::TensorOptions().device(kCuda));
+  torch::manual_seed(1);
+  plain->forward(x).square().sum().backward();
+  torch::manual_seed(1);
+  net->forward(x).square().sum().backward();
+  for (size_t i = 0; i < plain->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(plain->parameters()[i].grad(), wrapped->parameters()[i].grad())) << i;
 }
 
 }  // namespace

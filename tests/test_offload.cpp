@@ -21,7 +21,8 @@ namespace F = torch::nn::functional;
 
 tnn::Sequential model() {
   torch::manual_seed(0);
-  return tnn::Sequential(tnn::Linear(64, 128), tnn::Tanh(), tnn::Linear(128, 128), tnn::Tanh(), tnn::Linear(128, 8));
+  return tnn::Sequential(tnn::Linear(64, 128), tnn::Tanh(), tnn::Linear(128, 128), tnn::Tanh(),
+                         tnn::Linear(128, 8));
 }
 
 /// `steps` steps of `opt` on `net` with a fixed stream of batches.
@@ -46,9 +47,9 @@ TEST(Offload, StepIsBitIdenticalToTheSameKernelOnTheDevice) {
     SCOPED_TRACE(bits);
     auto on_device = model(), offloaded = model();
     // The on-device reference: the same fused kernel (AdamW8bit; fp32 state when nothing is quantized).
-    optim::AdamW8bit reference(on_device->parameters(),
-                               optim::AdamW8bitOptions(1e-3).min_8bit_size(
-                                   bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
+    optim::AdamW8bit reference(
+        on_device->parameters(),
+        optim::AdamW8bitOptions(1e-3).min_8bit_size(bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
     OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
     train(on_device, reference, 50);
     train(offloaded, opt, 50);
@@ -74,8 +75,8 @@ TEST(Offload, TheDevicePoolsPeakDropsByTheOptimizerState) {
     if (offload)
       opt = std::make_unique<OffloadOptimizer>(net->parameters(), OffloadOptimizerOptions(1e-3));
     else
-      opt = std::make_unique<optim::AdamW8bit>(
-          net->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(std::numeric_limits<int64_t>::max()));
+      opt = std::make_unique<optim::AdamW8bit>(net->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(
+                                                                      std::numeric_limits<int64_t>::max()));
     train(net, *opt, 1);  // creates the state
     torch::manual_seed(7);
     const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
@@ -97,7 +98,8 @@ TEST(Offload, StateLivesInTheHostArena) {
   auto net = model();
   const int64_t host_before = host_memory_stats().current;
   {
-    OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+    OffloadOptimizer opt(net->parameters(),
+                         OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
     train(net, opt, 1);
     int64_t host_bytes = 0;
     for (const auto& t : opt.host_state_tensors()) host_bytes += t.numel() * t.element_size();
@@ -140,7 +142,8 @@ TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {
   std::vector<torch::Tensor> params, state;
   for (const auto& p : net->parameters()) params.push_back(p.clone());
   for (const auto& t : opt.host_state_tensors()) state.push_back(t.clone());
-  const auto result = acc.backward(F::cross_entropy(net->forward(x), y) * std::numeric_limits<float>::quiet_NaN(), 32);
+  const auto result =
+      acc.backward(F::cross_entropy(net->forward(x), y) * std::numeric_limits<float>::quiet_NaN(), 32);
   ASSERT_TRUE(result.has_value());
   EXPECT_FALSE(result->stepped);
   const auto now = net->parameters();
@@ -155,8 +158,8 @@ TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {
 
 TEST(Offload, ClippingSeesTheTrueGradients) {
   auto on_device = model(), offloaded = model();
-  optim::AdamW8bit reference(on_device->parameters(),
-                             optim::AdamW8bitOptions(1e-3).min_8bit_size(std::numeric_limits<int64_t>::max()));
+  optim::AdamW8bit reference(on_device->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(
+                                                          std::numeric_limits<int64_t>::max()));
   OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3));
   auto clipped_training = [](tnn::Sequential& net, torch::optim::Optimizer& optimizer) {
     GradientAccumulator acc(optimizer, AccumulateOptions().max_grad_norm(0.05));
@@ -173,7 +176,8 @@ TEST(Offload, ClippingSeesTheTrueGradients) {
 
 TEST(Offload, SaveAndLoadResumeExactly) {
   auto straight = model(), resumed = model();
-  OffloadOptimizer a(straight->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+  OffloadOptimizer a(straight->parameters(),
+                     OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
   train(straight, a, 3);
   std::stringstream file;
   {
@@ -181,7 +185,8 @@ TEST(Offload, SaveAndLoadResumeExactly) {
     a.save(archive);
     archive.save_to(file);
   }
-  OffloadOptimizer b(resumed->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+  OffloadOptimizer b(resumed->parameters(),
+                     OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
   {
     // The model is saved and loaded on its own, as with any optimizer: here, copied.
     torch::NoGradGuard no_grad;
@@ -242,11 +247,17 @@ TEST(Offload, TheTrainerOffloadsWithARecipe) {
   torch::manual_seed(0);
   auto net = zoo::fashion_cnn();
   Trainer trainer(net, adamw(2e-3, 0.0),
-                  Recipe().offload(Offload::kOptimizerState).state_bits(8).checkpoint(Checkpointing::segments(3))
-                      .offload_activations(true).micro_batch(8));
+                  Recipe()
+                      .offload(Offload::kOptimizerState)
+                      .state_bits(8)
+                      .checkpoint(Checkpointing::segments(3))
+                      .offload_activations(true)
+                      .micro_batch(8));
   EXPECT_NE(dynamic_cast<OffloadOptimizer*>(&trainer.optimizer()), nullptr);
   const auto x = torch::randn({32, 1, 28, 28}), y = torch::randint(10, {32});
-  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) { return F::cross_entropy(out, target); };
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return F::cross_entropy(out, target);
+  };
   const double first = trainer.step(x, y, ce).loss;
   double last = first;
   for (int s = 0; s < 8; ++s) last = trainer.step(x, y, ce).loss;

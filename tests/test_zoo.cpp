@@ -44,7 +44,7 @@ TEST(Zoo, TiedHeadSharesTheTokenEmbedding) {
 TEST(Zoo, EveryWorkloadTrainsOneStep) {
   torch::manual_seed(0);
   for (const std::string& name : workload_names()) {
-    if (name == "gpt2-small" || name == "resnet50")
+    if (name == "gpt2-small" || name == "gpt-1b" || name == "resnet50")
       continue;  // covered by the counts; too slow for a step here
     SCOPED_TRACE(name);
     const Workload w = workload(name);

@@ -231,9 +231,10 @@ std::string join(const std::vector<std::string>& names) {
 GPTConfig gpt_config(const std::string& name) {
   if (name == "gpt-tiny") return GPTConfig();
   if (name == "gpt-12l") return GPTConfig().layers(12).width(256).context(256);
+  if (name == "gpt-1b") return GPTConfig().vocab_size(50257).context(512).layers(24).heads(16).width(1792);
   if (name == "gpt2-small")
     return GPTConfig().vocab_size(50257).context(1024).layers(12).heads(12).width(768);
-  TORCH_CHECK(false, "unknown GPT configuration '", name, "' (valid: gpt-tiny, gpt-12l, gpt2-small)");
+  TORCH_CHECK(false, "unknown GPT configuration '", name, "' (valid: gpt-tiny, gpt-12l, gpt2-small, gpt-1b)");
 }
 
 nn::Sequential mlp(int64_t inputs, int64_t hidden, int64_t classes) {
@@ -264,7 +265,7 @@ nn::Sequential fashion_cnn(int64_t classes) {
 }
 
 std::vector<std::string> workload_names() {
-  return {"mlp", "fashion-cnn", "resnet18", "resnet50", "gpt-tiny", "gpt-12l", "gpt2-small"};
+  return {"mlp", "fashion-cnn", "resnet18", "resnet50", "gpt-tiny", "gpt-12l", "gpt2-small", "gpt-1b"};
 }
 
 Workload workload(const std::string& name) {
@@ -280,7 +281,7 @@ Workload workload(const std::string& name) {
   if (name == "resnet50")
     return classifier(
         name, [] { return resnet50(); }, {3, 224, 224}, 1000);
-  if (name == "gpt-tiny" || name == "gpt-12l" || name == "gpt2-small") return decoder(name);
+  if (name.rfind("gpt", 0) == 0) return decoder(name);
   TORCH_CHECK(false, "unknown model '", name, "' (valid: ", join(workload_names()), ")");
 }
 

@@ -23,7 +23,8 @@ struct GPTConfig {
 };
 
 /// The named decoder configurations: "gpt-tiny" (seconds on two CPU cores), "gpt-12l" (12 layers of width 256
-/// over 256 tokens: activations dominate) and "gpt2-small" (124,439,808 parameters, as GPT-2 small).
+/// over 256 tokens: activations dominate), "gpt2-small" (124,439,808 parameters, as GPT-2 small) and "gpt-1b"
+/// (about 10^9 parameters, for the GPU offload benchmark).
 GPTConfig gpt_config(const std::string& name);
 
 torch::nn::Sequential mlp(int64_t inputs = 784, int64_t hidden = 2048, int64_t classes = 10);

@@ -93,8 +93,8 @@ bool host_memory_is_pinned();
 /// An empty CPU tensor whose storage comes from the host arena.
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 /// While open, the CPU tensors this thread allocates come from the host arena instead of the CPU device pool
-/// (how the offloading wrappers keep state that CPU code creates, such as an optimizer's, off the "device" when
-/// the device is the CPU). Scopes nest.
+/// (how the offloading wrappers keep state that CPU code creates, such as an optimizer's, off the "device"
+/// when the device is the CPU). Scopes nest.
 class HostAllocationScope {
  public:
   HostAllocationScope();

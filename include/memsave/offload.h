@@ -7,8 +7,9 @@
 //
 // It is a torch::optim::Optimizer over the device parameters, so a GradScaler (unscale_, the inf check, the
 // skipped step), gradient clipping and accumulation (gradients accumulate on the device and are copied once,
-// at the step) work unchanged. On a machine without a GPU the "device" is the CPU device pool, and the state in
-// the host arena is what a GPU would not have to hold: the meter shows the saving ("CPU, simulated device").
+// at the step) work unchanged. On a machine without a GPU the "device" is the CPU device pool, and the state
+// in the host arena is what a GPU would not have to hold: the meter shows the saving ("CPU, simulated
+// device").
 #pragma once
 
 #include <memsave/memory.h>
@@ -79,7 +80,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   void sync_hyper_parameters();
 
   std::vector<Offloaded> offloaded_;
-  std::unique_ptr<optim::AdamW8bit> host_;        ///< over the masters; state in the host arena
+  std::unique_ptr<optim::AdamW8bit> host_;       ///< over the masters; state in the host arena
   std::unique_ptr<torch::optim::AdamW> device_;  ///< over the small tensors, on the device
 };
 
