@@ -6,7 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 packages=(build-essential cmake ninja-build git python3 libgtest-dev googletest libbenchmark-dev
-          nlohmann-json3-dev libcli11-dev zlib1g-dev dataset-fashion-mnist)
+          nlohmann-json3-dev libcli11-dev zlib1g-dev dataset-fashion-mnist gnuplot-nox)
 if ! python3 -c 'import venv, ensurepip' >/dev/null 2>&1; then packages+=(python3-venv); fi
 missing=()
 for p in "${packages[@]}"; do

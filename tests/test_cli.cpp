@@ -5,6 +5,9 @@
 #include <sys/wait.h>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 namespace {
@@ -124,6 +127,98 @@ TEST(Cli, CudaWithoutADeviceIsBadInput) {
   if (r.code == 0) GTEST_SKIP() << "a CUDA device is present";
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_TRUE(contains(r.output, "no CUDA device")) << r.output;
+}
+
+TEST(Cli, RescueRecommendsARecipeUnderTheBudget) {
+  // gpt-tiny at batch 64 peaks near 175 MiB: a budget of 80 MiB forces the checklist.
+  const Result r = invoke_stdout("rescue --model gpt-tiny --batch 64 --budget 80MiB --steps 2 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  ASSERT_FALSE(j["recommended"].is_null());
+  const auto& best = j["candidates"][j["recommended"].get<size_t>()];
+  EXPECT_TRUE(best["fits"].get<bool>());
+  EXPECT_LE(best["peak"].get<int64_t>(), 80 << 20);
+  EXPECT_EQ(j["candidates"][0]["status"], "out of memory");  // the baseline does not fit
+  for (const auto& c : j["candidates"])
+    if (c["fits"].get<bool>()) EXPECT_GE(c["seconds"].get<double>(), best["seconds"].get<double>());
+  EXPECT_TRUE(contains(best["cpp"].get<std::string>(), "memsave::Recipe()"));
+}
+
+TEST(Cli, RescueTableEndsWithThePasteableRecipe) {
+  const Result r = invoke_stdout("rescue --model mlp --batch 64 --budget 60MiB --steps 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "recommended:")) << r.output;
+  EXPECT_TRUE(contains(r.output, "memsave::Recipe()")) << r.output;
+}
+
+TEST(Cli, RescueBelowTheParametersExitsAtOnce) {
+  const Result r = invoke_stdout("rescue --model mlp --batch 8 --budget 1MiB");  // 5.3M parameters: 21 MB
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_TRUE(contains(r.output, "nothing can fit: the parameters alone take")) << r.output;
+}
+
+TEST(Cli, RescueWhereNothingFitsNamesTheClosestMiss) {
+  const Result r = invoke_stdout("rescue --model mlp --batch 8 --budget 40MiB --steps 2");  // params 22 MiB, grads 22
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_TRUE(contains(r.output, "nothing fits. Closest:")) << r.output;
+}
+
+TEST(Cli, PlanningCommandsRejectBadInput) {
+  EXPECT_EQ(invoke("rescue --model gpt-tiny --batch 0 --budget 1GiB").code, 2);
+  EXPECT_EQ(invoke("rescue --model gpt-tiny --budget 12G").code, 2);  // ambiguous unit
+  EXPECT_EQ(invoke("rescue --model gpt-tiny").code, 2);               // no budget
+  EXPECT_EQ(invoke("bench --model gpt-tiny --recipes baseline,warp-drive").code, 2);
+  EXPECT_EQ(invoke("bench --model gpt-tiny --batch -1").code, 2);
+  const Result cuda = invoke("rescue --model gpt-tiny --budget 1GiB --device cuda");
+  if (!contains(cuda.output, "fits")) {  // on a machine without a GPU
+    EXPECT_EQ(cuda.code, 2);
+    EXPECT_TRUE(contains(cuda.output, "no CUDA device")) << cuda.output;
+  }
+}
+
+TEST(Cli, BenchJsonHasOneEntryPerRecipeWithTheDocumentedFields) {
+  const Result r =
+      invoke_stdout("bench --model mlp --batch 16 --recipes baseline,micro4,bf16,8bit --steps 2 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  ASSERT_EQ(j["recipes"].size(), 4u);
+  const char* names[] = {"baseline", "micro4", "bf16", "8bit"};
+  for (size_t i = 0; i < 4; ++i) {
+    const auto& e = j["recipes"][i];
+    EXPECT_EQ(e["name"], names[i]);
+    for (const char* field : {"recipe", "cpp", "peak", "seconds", "peak_ratio", "time_ratio"})
+      EXPECT_TRUE(e.contains(field)) << field;
+    EXPECT_GT(e["peak"].get<int64_t>(), 0);
+  }
+  EXPECT_EQ(j["recipes"][0]["peak_ratio"].get<double>(), 1.0);
+  EXPECT_LT(j["recipes"][3]["peak"].get<int64_t>(), j["recipes"][0]["peak"].get<int64_t>());  // 8-bit state
+  EXPECT_FALSE(j["rules"].empty());
+}
+
+TEST(Cli, BenchPlotsValidPngAndSvg) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot is not installed";
+  const std::string dir = ::testing::TempDir();
+  for (const std::string ext : {"png", "svg"}) {
+    const std::string path = dir + "memsave_bench." + ext;
+    std::remove(path.c_str());
+    const Result r =
+        invoke_stdout("bench --model mlp --batch 8 --recipes baseline,bf16 --steps 2 --csv --plot " + path);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(contains(r.output, "name,recipe,peak_bytes,seconds")) << r.output;
+    FILE* f = std::fopen(path.c_str(), "rb");
+    ASSERT_NE(f, nullptr) << path;
+    std::array<char, 8> head{};
+    const size_t n = std::fread(head.data(), 1, head.size(), f);
+    std::fclose(f);
+    if (ext == "png") {
+      ASSERT_EQ(n, 8u);
+      EXPECT_EQ(std::string(head.data() + 1, 3), "PNG");
+    } else {
+      std::ifstream svg(path);
+      const std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+      EXPECT_TRUE(contains(text, "<svg")) << text.substr(0, 200);
+    }
+  }
 }
 
 }  // namespace

@@ -1,9 +1,14 @@
 // The `memsave` command line. Exit codes: 0 success, 2 bad usage or input, 3 out of memory.
 #include "../zoo/zoo.h"
+#include "plan.h"
 #include "report.h"
 
 #include <CLI/CLI.hpp>
 
+#include <torch/cuda.h>
+
+#include <unistd.h>
+#include <fstream>
 #include <iostream>
 
 namespace {
@@ -26,6 +31,11 @@ int report_command(const memsave::cli::ReportOptions& options, bool json) {
   }
   std::cout << (json ? memsave::cli::format_json(report) : memsave::cli::format_table(report)) << "\n";
   return 0;
+}
+
+c10::Device parse_device(const std::string& name) {
+  TORCH_CHECK(name != "cuda" || torch::cuda::is_available(), "--device cuda: no CUDA device is available");
+  return c10::Device(name);
 }
 
 }  // namespace
@@ -54,6 +64,60 @@ int main(int argc, char** argv) {
   report_cmd->add_option("--budget", budget, "Bound on the device pool, e.g. 300MiB or 1.5GB");
   report_cmd->add_flag("--json", json, "Raw bytes as JSON");
 
+  // rescue
+  std::string rescue_model = "gpt-tiny", rescue_budget, rescue_device = "cpu", rescue_plot;
+  int64_t rescue_batch = 64;
+  int rescue_steps = 3;
+  bool rescue_json = false;
+  CLI::App* rescue_cmd =
+      app.add_subcommand("rescue", "Walk the OOM checklist under a memory budget and recommend a recipe");
+  rescue_cmd->add_option("--model", rescue_model, "Model from the zoo")
+      ->check(CLI::IsMember(memsave::zoo::workload_names()))
+      ->capture_default_str();
+  rescue_cmd->add_option("--batch", rescue_batch, "Effective batch (rows per optimizer step)")
+      ->capture_default_str();
+  rescue_cmd->add_option("--budget", rescue_budget, "Device memory the step may use, e.g. 300MiB")
+      ->required();
+  rescue_cmd->add_option("--device", rescue_device, "cpu (simulated device) or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  rescue_cmd->add_option("--steps", rescue_steps, "Steps per candidate (>= 2)")->capture_default_str();
+  rescue_cmd->add_flag("--json", rescue_json, "JSON instead of a table");
+
+  // estimate
+  std::string estimate_model = "gpt-tiny", estimate_device = "cpu";
+  int64_t estimate_batch = 32;
+  CLI::App* estimate_cmd =
+      app.add_subcommand("estimate", "Predicted against measured peak for each candidate of the checklist");
+  estimate_cmd->add_option("--model", estimate_model, "Model from the zoo")
+      ->check(CLI::IsMember(memsave::zoo::workload_names()))
+      ->capture_default_str();
+  estimate_cmd->add_option("--batch", estimate_batch, "Batch")->capture_default_str();
+  estimate_cmd->add_option("--device", estimate_device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+
+  // bench
+  std::string bench_model = "gpt-tiny", bench_recipes = "all", bench_device = "cpu", bench_plot;
+  int64_t bench_batch = 32;
+  int bench_steps = 3;
+  bool bench_json = false, bench_csv = false;
+  CLI::App* bench_cmd =
+      app.add_subcommand("bench", "Peak memory and step time of each technique and combination");
+  bench_cmd->add_option("--model", bench_model, "Model from the zoo")
+      ->check(CLI::IsMember(memsave::zoo::workload_names()))
+      ->capture_default_str();
+  bench_cmd->add_option("--batch", bench_batch, "Batch")->capture_default_str();
+  bench_cmd->add_option("--recipes", bench_recipes, "all, or a comma-separated list of recipe names")
+      ->capture_default_str();
+  bench_cmd->add_option("--steps", bench_steps, "Steps per recipe (>= 2)")->capture_default_str();
+  bench_cmd->add_option("--device", bench_device, "cpu or cuda")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  bench_cmd->add_flag("--json", bench_json, "JSON instead of a table");
+  bench_cmd->add_flag("--csv", bench_csv, "CSV instead of a table");
+  bench_cmd->add_option("--plot", bench_plot, "Write peak memory against step time to FILE (.png or .svg)");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -66,6 +130,48 @@ int main(int argc, char** argv) {
       TORCH_CHECK(*report.budget > 0, "--budget must be positive, got '", budget, "'");
     }
     if (report_cmd->parsed()) return report_command(report, json);
+    if (rescue_cmd->parsed()) {
+      const int64_t budget_bytes = memsave::parse_bytes(rescue_budget);
+      TORCH_CHECK(budget_bytes > 0, "--budget must be positive, got '", rescue_budget, "'");
+      TORCH_CHECK(rescue_batch > 0, "--batch must be > 0, got ", rescue_batch);
+      TORCH_CHECK(rescue_steps >= 2, "--steps must be >= 2, got ", rescue_steps);
+      memsave::RescueOptions options(rescue_batch, budget_bytes);
+      options.device(parse_device(rescue_device)).steps(rescue_steps);
+      if (!rescue_json && isatty(STDERR_FILENO)) {
+        options.progress([](size_t done, size_t total) {
+          std::cerr << "\rcandidate " << done << "/" << total << std::flush;
+          if (done == total) std::cerr << "\r" << std::string(24, ' ') << "\r" << std::flush;
+        });
+      }
+      const memsave::RescuePlan plan = memsave::rescue(memsave::cli::zoo_setup(rescue_model), options);
+      std::cout << (rescue_json ? memsave::cli::rescue_json(plan, options, rescue_model)
+                                : memsave::cli::format_rescue(plan, options, rescue_model))
+                << "\n";
+      return plan.recommended ? 0 : kOutOfMemory;
+    }
+    if (estimate_cmd->parsed()) {
+      TORCH_CHECK(estimate_batch > 0, "--batch must be > 0, got ", estimate_batch);
+      const auto rows =
+          memsave::cli::run_estimate(estimate_model, estimate_batch, parse_device(estimate_device), 2);
+      std::cout << memsave::cli::format_estimate(rows, estimate_model, estimate_batch);
+      return 0;
+    }
+    if (bench_cmd->parsed()) {
+      TORCH_CHECK(bench_batch > 0, "--batch must be > 0, got ", bench_batch);
+      TORCH_CHECK(bench_steps >= 2, "--steps must be >= 2, got ", bench_steps);
+      TORCH_CHECK(!(bench_json && bench_csv), "--json and --csv exclude each other");
+      const auto rows = memsave::cli::run_bench(bench_model, bench_batch, bench_recipes, bench_steps,
+                                                parse_device(bench_device),
+                                                !bench_json && !bench_csv && isatty(STDERR_FILENO));
+      if (bench_json)
+        std::cout << memsave::cli::bench_json(rows, bench_model, bench_batch) << "\n";
+      else if (bench_csv)
+        std::cout << memsave::cli::bench_csv(rows);
+      else
+        std::cout << memsave::cli::format_bench(rows, bench_model, bench_batch);
+      if (!bench_plot.empty()) memsave::cli::plot_bench(rows, bench_model, bench_batch, bench_plot);
+      return 0;
+    }
   } catch (const c10::OutOfMemoryError&) {
     throw;
   } catch (const c10::Error& e) {

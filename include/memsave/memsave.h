@@ -7,4 +7,5 @@
 #include <memsave/memory.h>
 #include <memsave/offload.h>
 #include <memsave/optim.h>
+#include <memsave/rescue.h>
 #include <memsave/trainer.h>

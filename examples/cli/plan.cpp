@@ -1,0 +1,379 @@
+#include "plan.h"
+
+#include "../zoo/zoo.h"
+
+#include <memsave/memory.h>
+
+#include <c10/util/Exception.h>
+#include <torch/torch.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+namespace memsave::cli {
+namespace {
+
+std::string status_text(const Candidate& c) {
+  switch (c.status) {
+    case Candidate::Status::kFits:
+      return "fits";
+    case Candidate::Status::kOutOfMemory:
+      return "out of memory";
+    case Candidate::Status::kCannotFit:
+      return "cannot fit (static bytes)";  // parameters, gradients, state and batch alone
+    case Candidate::Status::kNotNeeded:
+      return "not run (larger micro-batch fits)";
+  }
+  return "?";
+}
+
+std::string cell(const std::string& s, int width) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "%-*s", width, s.c_str());
+  return buf;
+}
+
+std::string rcell(const std::string& s, int width) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "%*s", width, s.c_str());
+  return buf;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
+  return buf;
+}
+
+bool ran(const Candidate& c) {
+  return c.status == Candidate::Status::kFits || c.status == Candidate::Status::kOutOfMemory;
+}
+
+int64_t elements_of(const std::string& model) {
+  torch::manual_seed(0);
+  return static_cast<int64_t>(zoo::workload(model).make_model()->size());
+}
+
+}  // namespace
+
+TrainingSetup zoo_setup(const std::string& model) {
+  const zoo::Workload w = zoo::workload(model);
+  TrainingSetup setup;
+  setup.make_model = w.make_model;
+  setup.make_batch = [w](int64_t rows, c10::Device device) {
+    const zoo::Batch b = w.make_batch(rows, device);
+    return std::make_pair(b.input, b.target);
+  };
+  setup.loss = w.loss;
+  setup.optimizer = adamw(1e-4);
+  return setup;
+}
+
+std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, const std::string& model) {
+  std::ostringstream out;
+  out << "memsave rescue: model " << model << ", batch " << options.batch() << ", budget "
+      << format_bytes(options.budget()) << " on " << options.device()
+      << (options.device().is_cpu() ? " (CPU, simulated device)" : "") << "\n\n";
+  if (plan.below_parameters) {
+    out << "nothing can fit: the parameters alone take " << format_bytes(plan.parameter_bytes)
+        << ", more than the budget of " << format_bytes(options.budget()) << "\n";
+    return out.str();
+  }
+  out << cell("candidate", 58) << rcell("predicted", 12) << rcell("peak", 12) << "  " << cell("fits?", 27)
+      << rcell("step", 10) << rcell("throughput", 12) << "\n";
+  size_t not_needed = 0;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Candidate& c = plan.candidates[i];
+    if (c.status == Candidate::Status::kNotNeeded) {
+      ++not_needed;
+      continue;
+    }
+    const bool measured = ran(c);
+    out << cell(c.recipe.label(), 58) << rcell(format_bytes(c.predicted), 12)
+        << rcell(measured ? (c.status == Candidate::Status::kOutOfMemory ? "> budget"
+                                                                         : format_bytes(c.measured.peak))
+                          : "-",
+                 12)
+        << "  " << cell(status_text(c), 27)
+        << rcell(c.status == Candidate::Status::kFits ? fixed(c.measured.seconds, 3) + " s" : "-", 10)
+        << rcell(c.status == Candidate::Status::kFits ? fixed(c.relative_throughput, 2) + "x" : "-", 12)
+        << (plan.recommended == i ? "  <- recommended" : "") << "\n";
+  }
+  if (not_needed > 0)
+    out << "(" << not_needed
+        << " smaller micro-batches of recipes that already fit were not run: they only add steps)\n";
+  out << "\n";
+  if (plan.recommended) {
+    const Candidate& c = plan.candidates[*plan.recommended];
+    out << "recommended: " << c.recipe.label() << " — peak " << format_bytes(c.measured.peak) << " of "
+        << format_bytes(options.budget()) << " (margin " << format_bytes(options.budget() - c.measured.peak)
+        << "), " << fixed(c.relative_throughput, 2) << "x the throughput of "
+        << (plan.candidates.front().status == Candidate::Status::kFits ? "the baseline"
+                                                                       : "the fastest that fits")
+        << "\n  " << c.recipe.to_cpp() << "\n";
+  } else if (plan.closest_miss) {
+    const Candidate& c = plan.candidates[*plan.closest_miss];
+    out << "nothing fits. Closest: " << c.recipe.label() << ", predicted " << format_bytes(c.predicted)
+        << " against a budget of " << format_bytes(options.budget()) << "\n";
+  }
+  return out.str();
+}
+
+std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, const std::string& model) {
+  nlohmann::json j;
+  j["model"] = model;
+  j["batch"] = options.batch();
+  j["budget"] = options.budget();
+  j["device"] = options.device().str();
+  j["parameter_bytes"] = plan.parameter_bytes;
+  j["below_parameters"] = plan.below_parameters;
+  j["candidates"] = nlohmann::json::array();
+  for (const Candidate& c : plan.candidates) {
+    nlohmann::json row = {{"recipe", c.recipe.label()}, {"cpp", c.recipe.to_cpp()},
+                          {"predicted", c.predicted},   {"static_bytes", c.static_bytes},
+                          {"status", status_text(c)},   {"fits", c.status == Candidate::Status::kFits}};
+    if (ran(c)) row["peak"] = c.measured.peak;
+    if (c.status == Candidate::Status::kFits) {
+      row["seconds"] = c.measured.seconds;
+      row["relative_throughput"] = c.relative_throughput;
+    }
+    j["candidates"].push_back(row);
+  }
+  j["recommended"] = plan.recommended ? nlohmann::json(*plan.recommended) : nlohmann::json(nullptr);
+  j["closest_miss"] = plan.closest_miss ? nlohmann::json(*plan.closest_miss) : nlohmann::json(nullptr);
+  return j.dump(2);
+}
+
+std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps) {
+  const TrainingSetup setup = zoo_setup(model);
+  const MemoryModel memory = MemoryModel::profile(setup, batch, device);
+  std::vector<Estimate> rows;
+  for (const Recipe& r : checklist(batch, memory.elements(), device)) {
+    if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;  // micro-batches down to a quarter
+    Estimate e;
+    e.recipe = r;
+    e.predicted = memory.predict(r);
+    e.measured = measure(setup, r, batch, device, steps).peak;
+    rows.push_back(e);
+  }
+  return rows;
+}
+
+std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch) {
+  std::ostringstream out;
+  out << "memsave estimate: model " << model << ", batch " << batch
+      << " (predicted from one profile of the model; measured by running each recipe)\n\n"
+      << cell("recipe", 46) << rcell("predicted", 12) << rcell("measured", 12) << rcell("error", 9) << "\n";
+  double worst = 0;
+  for (const Estimate& e : rows) {
+    out << cell(e.recipe.label(), 46) << rcell(format_bytes(e.predicted), 12)
+        << rcell(format_bytes(e.measured), 12) << rcell(fixed(100 * e.error(), 1) + "%", 9) << "\n";
+    worst = std::max(worst, std::abs(e.error()));
+  }
+  out << "\nlargest error " << fixed(100 * worst, 1) << "% (target: within 10%)\n";
+  return out.str();
+}
+
+std::vector<std::pair<std::string, Recipe>> bench_recipes(int64_t batch) {
+  const int64_t quarter = std::max<int64_t>(1, batch / 4);
+  const Recipe bf16 = Recipe().amp(c10::kBFloat16);
+  return {
+      {"baseline", Recipe()},
+      {"micro4", Recipe().micro_batch(quarter)},
+      {"bf16", bf16},
+      {"ckpt-sqrt", Recipe().checkpoint(Checkpointing::segments(0))},  // 0: √n, resolved per model
+      {"ckpt-every", Recipe().checkpoint(Checkpointing::every_layer())},
+      {"8bit", Recipe().state_bits(8)},
+      {"offload", Recipe().offload(Offload::kOptimizerState)},
+      {"micro4+bf16", Recipe(bf16).micro_batch(quarter)},
+      {"bf16+ckpt", Recipe(bf16).checkpoint(Checkpointing::every_layer())},
+      {"bf16+ckpt+8bit", Recipe(bf16).checkpoint(Checkpointing::every_layer()).state_bits(8)},
+      {"all", Recipe(bf16).micro_batch(quarter).checkpoint(Checkpointing::every_layer()).state_bits(8)},
+  };
+}
+
+std::vector<BenchRow> run_bench(const std::string& model, int64_t batch, const std::string& names, int steps,
+                                c10::Device device, bool progress) {
+  auto known = bench_recipes(batch);
+  const auto root = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(elements_of(model)))));
+  for (auto& [name, recipe] : known)
+    if (recipe.checkpoint().kind == Checkpointing::Kind::kSegments)
+      recipe.checkpoint(Checkpointing::segments(root));
+  std::vector<std::pair<std::string, Recipe>> chosen;
+  if (names == "all") {
+    chosen = known;
+  } else {
+    std::stringstream list(names);
+    std::string name;
+    while (std::getline(list, name, ',')) {
+      auto it = std::find_if(known.begin(), known.end(), [&](const auto& k) { return k.first == name; });
+      if (it == known.end()) {
+        std::string valid;
+        for (const auto& k : known) valid += (valid.empty() ? "" : ", ") + k.first;
+        TORCH_CHECK(false, "unknown recipe '", name, "' (valid: all, ", valid, ")");
+      }
+      chosen.push_back(*it);
+    }
+  }
+  const TrainingSetup setup = zoo_setup(model);
+  std::vector<BenchRow> rows;
+  for (size_t i = 0; i < chosen.size(); ++i) {
+    if (progress)
+      std::cerr << "\r[" << i + 1 << "/" << chosen.size() << "] " << chosen[i].first << "        "
+                << std::flush;
+    rows.push_back(
+        {chosen[i].first, chosen[i].second, measure(setup, chosen[i].second, batch, device, steps)});
+  }
+  if (progress) std::cerr << "\r" << std::string(40, ' ') << "\r" << std::flush;
+  return rows;
+}
+
+namespace {
+
+const BenchRow* find(const std::vector<BenchRow>& rows, const std::string& name) {
+  for (const BenchRow& r : rows)
+    if (r.name == name) return &r;
+  return nullptr;
+}
+
+struct RuleRow {
+  std::string rule;
+  std::string tutorials;
+  std::string measured;
+};
+
+/// The rules of thumb users find in tutorials, beside what this run measured.
+std::vector<RuleRow> rules(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
+  const TrainingSetup setup = zoo_setup(model);
+  const MemoryModel memory = MemoryModel::profile(setup, batch, c10::kCPU);
+  auto activations = [&](const BenchRow& r) {
+    return static_cast<double>(r.measured.peak - memory.static_bytes(r.recipe));
+  };
+  std::vector<RuleRow> out;
+  const BenchRow* base = find(rows, "baseline");
+  if (!base) return out;
+  {
+    torch::manual_seed(0);
+    const zoo::Workload w = zoo::workload(model);
+    auto net = w.make_model();
+    const zoo::Batch b = w.make_batch(batch, torch::kCPU);
+    torch::NoGradGuard no_grad;
+    net->eval();
+    const int64_t before = memory_stats(torch::kCPU).current;
+    PeakScope scope(torch::kCPU);
+    net->forward(b.input);
+    const double inference = static_cast<double>(scope.peak() - before + memory.parameter_bytes());
+    out.push_back(
+        {"training peak / inference peak", "1.5–2.5x", fixed(base->measured.peak / inference, 2) + "x"});
+  }
+  out.push_back({"Adam state / parameter bytes", "2x",
+                 fixed(static_cast<double>(memory.static_bytes(Recipe()) -
+                                           memory.static_bytes(Recipe().offload(Offload::kOptimizerState))) /
+                           memory.parameter_bytes(),
+                       2) +
+                     "x"});
+  if (const BenchRow* r = find(rows, "bf16"))
+    out.push_back({"AMP: peak saved", "35–40%",
+                   fixed(100 * (1 - static_cast<double>(r->measured.peak) / base->measured.peak), 0) + "% (" +
+                       fixed(100 * (1 - activations(*r) / activations(*base)), 0) + "% of activations)"});
+  for (const char* name : {"ckpt-sqrt", "ckpt-every"})
+    if (const BenchRow* r = find(rows, name))
+      out.push_back({std::string("checkpointing (") + name + "): activations saved, time", "~60% for ~20%",
+                     fixed(100 * (1 - activations(*r) / activations(*base)), 0) + "% for " +
+                         fixed(100 * (r->measured.seconds / base->measured.seconds - 1), 0) + "%"});
+  if (const BenchRow* r = find(rows, "micro4"))
+    out.push_back({"4-way accumulation: activations cut", "~75%",
+                   fixed(100 * (1 - activations(*r) / activations(*base)), 0) + "%"});
+  return out;
+}
+
+}  // namespace
+
+std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
+  std::ostringstream out;
+  out << "memsave bench: model " << model << ", batch " << batch << "\n\n"
+      << cell("recipe", 16) << cell("what", 44) << rcell("peak", 12) << rcell("vs baseline", 13)
+      << rcell("step", 10) << rcell("vs baseline", 13) << "\n";
+  const BenchRow* base = find(rows, "baseline");
+  for (const BenchRow& r : rows) {
+    out << cell(r.name, 16) << cell(r.recipe.label(), 44) << rcell(format_bytes(r.measured.peak), 12)
+        << rcell(base ? fixed(static_cast<double>(r.measured.peak) / base->measured.peak, 2) + "x" : "-", 13)
+        << rcell(fixed(r.measured.seconds, 3) + " s", 10)
+        << rcell(base ? fixed(r.measured.seconds / base->measured.seconds, 2) + "x" : "-", 13) << "\n";
+  }
+  const auto rule_rows = rules(rows, model, batch);
+  if (!rule_rows.empty()) {
+    out << "\n" << cell("rule of thumb", 48) << cell("tutorials", 16) << "this run\n";
+    for (const RuleRow& r : rule_rows) out << cell(r.rule, 48) << cell(r.tutorials, 16) << r.measured << "\n";
+  }
+  return out.str();
+}
+
+std::string bench_json(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
+  nlohmann::json j;
+  j["model"] = model;
+  j["batch"] = batch;
+  j["recipes"] = nlohmann::json::array();
+  const BenchRow* base = find(rows, "baseline");
+  for (const BenchRow& r : rows) {
+    nlohmann::json row = {{"name", r.name},
+                          {"recipe", r.recipe.label()},
+                          {"cpp", r.recipe.to_cpp()},
+                          {"peak", r.measured.peak},
+                          {"seconds", r.measured.seconds}};
+    if (base) {
+      row["peak_ratio"] = static_cast<double>(r.measured.peak) / base->measured.peak;
+      row["time_ratio"] = r.measured.seconds / base->measured.seconds;
+    }
+    j["recipes"].push_back(row);
+  }
+  j["rules"] = nlohmann::json::array();
+  for (const RuleRow& r : rules(rows, model, batch))
+    j["rules"].push_back({{"rule", r.rule}, {"tutorials", r.tutorials}, {"measured", r.measured}});
+  return j.dump(2);
+}
+
+std::string bench_csv(const std::vector<BenchRow>& rows) {
+  std::ostringstream out;
+  out << "name,recipe,peak_bytes,seconds\n";
+  for (const BenchRow& r : rows)
+    out << r.name << ",\"" << r.recipe.label() << "\"," << r.measured.peak << ","
+        << fixed(r.measured.seconds, 6) << "\n";
+  return out.str();
+}
+
+void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                const std::string& path) {
+  const bool svg = path.size() > 4 && path.substr(path.size() - 4) == ".svg";
+  TORCH_CHECK(svg || (path.size() > 4 && path.substr(path.size() - 4) == ".png"),
+              "--plot: the file must end in .png or .svg, got '", path, "'");
+  TORCH_CHECK(std::system("command -v gnuplot >/dev/null 2>&1") == 0,
+              "--plot needs gnuplot (Debian: apt-get install gnuplot-nox)");
+  const std::string data = path + ".dat", script = path + ".gp";
+  {
+    std::ofstream d(data);
+    for (const BenchRow& r : rows)
+      d << fixed(r.measured.seconds, 6) << " " << fixed(r.measured.peak / 1048576.0, 3) << " \"" << r.name
+        << "\"\n";
+  }
+  {
+    std::ofstream g(script);
+    g << "set terminal " << (svg ? "svg size 900,600" : "pngcairo size 900,600") << "\n"
+      << "set output '" << path << "'\n"
+      << "set title 'memsave bench: " << model << ", batch " << batch << "'\n"
+      << "set xlabel 'step time (s)'\nset ylabel 'peak memory (MiB)'\nset grid\nunset key\n"
+      << "plot '" << data
+      << "' using 1:2 with points pt 7 ps 1.5, '' using 1:2:3 with labels offset 1,1 left\n";
+  }
+  const int status = std::system(("gnuplot '" + script + "' 2>&1").c_str());
+  std::remove(data.c_str());
+  std::remove(script.c_str());
+  TORCH_CHECK(status == 0, "--plot: gnuplot failed (exit ", status, ")");
+}
+
+}  // namespace memsave::cli

@@ -1,0 +1,48 @@
+// `memsave rescue`, `memsave estimate` and `memsave bench`: the OOM rescue, the peak estimator against
+// measurement, and the trade-off benchmark, on the zoo's models.
+#pragma once
+
+#include <memsave/rescue.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace memsave::cli {
+
+/// A zoo model as a TrainingSetup (AdamW, lr 1e-4).
+TrainingSetup zoo_setup(const std::string& model);
+
+std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, const std::string& model);
+std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, const std::string& model);
+
+/// One row of `estimate`: a recipe, its predicted and measured peaks.
+struct Estimate {
+  Recipe recipe;
+  int64_t predicted = 0;
+  int64_t measured = 0;
+  double error() const { return static_cast<double>(predicted - measured) / static_cast<double>(measured); }
+};
+std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps);
+std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch);
+
+/// The named recipes `bench` knows: each technique alone and the useful combinations.
+std::vector<std::pair<std::string, Recipe>> bench_recipes(int64_t batch);
+struct BenchRow {
+  std::string name;
+  Recipe recipe;
+  Measurement measured;
+};
+/// Runs the recipes named in `names` ("all" or a comma-separated list); an unknown name is an error before
+/// anything runs.
+std::vector<BenchRow> run_bench(const std::string& model, int64_t batch, const std::string& names, int steps,
+                                c10::Device device, bool progress);
+std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch);
+std::string bench_json(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch);
+std::string bench_csv(const std::vector<BenchRow>& rows);
+/// Peak memory against step time, one point per recipe, drawn with gnuplot into `path` (.png or .svg).
+void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                const std::string& path);
+
+}  // namespace memsave::cli

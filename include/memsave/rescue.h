@@ -1,0 +1,142 @@
+// The OOM rescue: "my step does not fit — what should I do, and what will it cost?"
+//
+//   memsave::TrainingSetup setup{make_model, make_batch, loss_fn};        // the user's own model
+//   auto plan = memsave::rescue(setup, memsave::RescueOptions(/*batch=*/64, memsave::parse_bytes("300MiB")));
+//   if (plan.recommended) std::cout << plan.candidates[*plan.recommended].recipe.to_cpp();
+//
+// It walks the usual checklist on the real model — smaller micro-batches with accumulation (same effective
+// batch), mixed precision, checkpointing (coarse, then every layer), 8-bit optimizer state, offloaded state —
+// measures each candidate's peak (memsave's meter, under the budget) and step time, and recommends the
+// fastest candidate that fits. A MemoryModel built from one profile of the model predicts every candidate's
+// peak; a candidate whose static bytes (parameters, gradients, state, batch) already exceed the budget is
+// never run.
+#pragma once
+
+#include <memsave/trainer.h>
+
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace memsave {
+
+/// The user's training step: a model factory (a Sequential, so checkpointing can cut it), batches of any
+/// number of rows on a device, a loss, and an optimizer factory.
+struct TrainingSetup {
+  std::function<torch::nn::Sequential()> make_model;
+  std::function<std::pair<torch::Tensor, torch::Tensor>(int64_t rows, c10::Device device)> make_batch;
+  LossFunction loss;
+  OptimizerFactory optimizer = adamw();
+};
+
+/// One candidate's run: the device pool's peak over what was in use before it (model, state, batch and step
+/// included) and the median step time after the first step.
+struct Measurement {
+  int64_t peak = 0;
+  double seconds = 0;
+  bool out_of_memory = false;
+};
+
+/// Builds a fresh model and Trainer for `recipe` and runs `steps` (>= 2) training steps on a batch of `batch`
+/// rows; with a budget, what the run allocates is bounded by it and an allocation past it ends the run as
+/// out_of_memory.
+Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t batch, c10::Device device,
+                    int steps, std::optional<int64_t> budget = std::nullopt);
+
+/// Predicts the peak of a recipe from one profile of the model: the bytes of parameters, gradients, optimizer
+/// state (by optimizer and bits) and batch, each element's activations (fp32 and under autocast) from a
+/// forward pass run element by element, and the backward's and the optimizer step's extra from one measured
+/// baseline step (of the whole batch; of half of it, and so on, when the device cannot hold that).
+/// Activations scale with the micro-batch's rows and follow the checkpoint plan.
+class MemoryModel {
+ public:
+  static MemoryModel profile(const TrainingSetup& setup, int64_t batch, c10::Device device);
+
+  int64_t predict(const Recipe& recipe) const;
+  /// What a recipe holds whatever its activations: parameters, gradients, optimizer state and the batch. A
+  /// budget below it cannot be met.
+  int64_t static_bytes(const Recipe& recipe) const;
+  int64_t batch() const { return batch_; }
+  int64_t parameter_bytes() const { return param_bytes_; }
+  size_t elements() const { return fp32_.stored.size(); }
+
+ private:
+  struct Activations {
+    std::vector<double> stored;        ///< per element: bytes its forward leaves behind, per row
+    std::vector<double> stored_fixed;  ///< per element: bytes it leaves behind whatever the rows
+    std::vector<double> output;        ///< per element: bytes of its output, per row
+    /// a step's measured peak beyond static bytes and stored activations: per row, and fixed
+    double backward_extra_per_row = 0;
+    double backward_extra_fixed = 0;
+  };
+  static MemoryModel profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows,
+                                  c10::Device device);
+  int64_t optimizer_state(const Recipe& recipe) const;
+  double activation_peak(const Activations& a, const Recipe& recipe, double rows) const;
+
+  int64_t batch_ = 0;
+  int64_t rows_ = 0;  ///< rows of the profile
+  std::vector<int64_t> param_numel_;
+  std::vector<int64_t> element_params_;  ///< bytes of the parameters registered in each element
+  int64_t param_bytes_ = 0;
+  int64_t largest_param_ = 0;
+  int64_t batch_bytes_per_row_ = 0;
+  Activations fp32_, amp_;
+  int64_t step_extra_ = 0;  ///< the optimizer step's temporaries beyond its state
+  int64_t moments_ = 2;     ///< fp32 state tensors per parameter of the setup's optimizer
+  c10::Device device_ = c10::kCPU;
+};
+
+struct RescueOptions {
+  RescueOptions(int64_t batch, int64_t budget) : batch_(batch), budget_(budget) {}
+  /// The effective batch (rows per optimizer step), kept by every candidate.
+  TORCH_ARG(int64_t, batch);
+  /// Bytes the training step may use in the device pool.
+  TORCH_ARG(int64_t, budget);
+  TORCH_ARG(c10::Device, device) = c10::kCPU;
+  /// Steps per candidate (>= 2; the first creates the optimizer state and is not timed).
+  TORCH_ARG(int, steps) = 3;
+  /// Called after each candidate (progress lines).
+  TORCH_ARG(std::function<void(size_t done, size_t total)>, progress) = nullptr;
+};
+
+struct Candidate {
+  enum class Status {
+    kFits,
+    kOutOfMemory,
+    kCannotFit,  ///< not run: its static bytes exceed the budget
+    kNotNeeded,  ///< not run: a larger micro-batch of the same recipe already fits
+  };
+  Recipe recipe;
+  int64_t predicted = 0;
+  int64_t static_bytes = 0;
+  Status status = Status::kCannotFit;
+  Measurement measured;
+  /// Step time of the reference (the baseline, or when it does not fit the fastest candidate that does)
+  /// divided by this one's: throughput relative to it.
+  double relative_throughput = 0;
+};
+
+struct RescuePlan {
+  std::vector<Candidate> candidates;
+  /// The fastest candidate that fits.
+  std::optional<size_t> recommended;
+  /// When nothing fits: the run whose peak came closest to the budget (or the smallest static bytes).
+  std::optional<size_t> closest_miss;
+  /// The budget is below the parameters alone: nothing was run.
+  bool below_parameters = false;
+  int64_t parameter_bytes = 0;
+};
+
+/// The candidates of the checklist, in order: levels fp32, +mixed precision, +checkpointing √n segments,
+/// +checkpointing every layer, +8-bit state, +offloaded state, each with micro-batches batch, batch/2, ... 1.
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device);
+
+RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options);
+
+}  // namespace memsave

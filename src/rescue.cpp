@@ -1,0 +1,338 @@
+#include "memsave/rescue.h"
+
+#include "memsave/amp.h"
+#include "memsave/memory.h"
+#include "memsave/optim.h"
+
+#include <c10/util/Exception.h>
+#include <torch/cuda.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <unordered_set>
+
+namespace memsave {
+namespace {
+
+int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+/// The pieces of a checkpoint plan over `n` elements, as checkpoint_sequential cuts them.
+std::vector<nn::CheckpointSequentialImpl::Segment> pieces(const Checkpointing& c, size_t n) {
+  std::vector<nn::CheckpointSequentialImpl::Segment> plan;
+  int64_t k = 1;
+  if (c.kind == Checkpointing::Kind::kSegments) k = std::min<int64_t>(c.count, static_cast<int64_t>(n));
+  if (c.kind == Checkpointing::Kind::kEveryLayer) k = static_cast<int64_t>(n);
+  const auto total = static_cast<int64_t>(n);
+  for (int64_t i = 0; i < k; ++i)
+    plan.push_back({static_cast<size_t>(i * total / k), static_cast<size_t>((i + 1) * total / k), i + 1 < k});
+  return plan;
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t batch, c10::Device device,
+                    int steps, std::optional<int64_t> budget) {
+  TORCH_CHECK(steps >= 2, "measure: steps must be >= 2 (the first is not timed), got ", steps);
+  TORCH_CHECK(batch > 0, "measure: batch must be > 0, got ", batch);
+  Measurement m;
+  std::vector<double> times;
+  if (device.is_cuda()) torch::cuda::synchronize();
+  const int64_t before = memory_stats(device).current;
+  {
+    std::optional<ScopedBudget> bound;
+    if (budget) bound.emplace(device, before + *budget);
+    PeakScope scope(device);
+    try {
+      torch::manual_seed(0);
+      torch::nn::Sequential model = setup.make_model();
+      model->to(device);
+      Trainer trainer(model, setup.optimizer, recipe);
+      const auto [input, target] = setup.make_batch(batch, device);
+      for (int s = 0; s < steps; ++s) {
+        const StepStats stats = trainer.step(input, target, setup.loss);
+        if (device.is_cuda()) torch::cuda::synchronize();
+        if (s > 0) times.push_back(stats.seconds);
+      }
+    } catch (const c10::OutOfMemoryError&) {
+      m.out_of_memory = true;
+    }
+    m.peak = scope.peak() - before;
+  }
+  m.seconds = median(times);
+  return m;
+}
+
+MemoryModel MemoryModel::profile(const TrainingSetup& setup, int64_t batch, c10::Device device) {
+  TORCH_CHECK(setup.make_model && setup.make_batch && setup.loss && setup.optimizer,
+              "MemoryModel: the training setup is incomplete (model, batch, loss and optimizer factories)");
+  TORCH_CHECK(batch > 0, "MemoryModel: batch must be > 0, got ", batch);
+  // The whole batch when the device holds it; otherwise halves, scaled up linearly.
+  for (int64_t rows = batch;; rows = (rows + 1) / 2) {
+    try {
+      return profile_rows(setup, batch, rows, device);
+    } catch (const c10::OutOfMemoryError&) {
+      if (rows == 1) throw;
+    }
+  }
+}
+
+MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows_,
+                                      c10::Device device) {
+  MemoryModel model;
+  model.batch_ = batch;
+  model.device_ = device;
+  model.rows_ = rows_;
+  const double rows = static_cast<double>(model.rows_);
+
+  torch::manual_seed(0);
+  torch::nn::Sequential net = setup.make_model();
+  net->to(device);
+  net->train();
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& p : net->parameters()) {
+    if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    model.param_numel_.push_back(p.numel());
+    model.param_bytes_ += bytes_of(p);
+    model.largest_param_ = std::max(model.largest_param_, bytes_of(p));
+  }
+  for (size_t i = 0; i < net->size(); ++i) {
+    int64_t bytes = 0;
+    for (const auto& p : net->ptr(i)->parameters()) bytes += bytes_of(p);
+    model.element_params_.push_back(bytes);
+  }
+  const auto [input, target] = setup.make_batch(model.rows_, device);
+  model.batch_bytes_per_row_ = (bytes_of(input) + bytes_of(target)) / model.rows_;
+  // Two sizes, to tell what grows with the rows from what does not (autocast's casted weights, say).
+  const int64_t small_rows = std::max<int64_t>(1, model.rows_ / 2);
+  const auto [small_input, small_target] = setup.make_batch(small_rows, device);
+
+  // Activations: the forward run element by element; what each leaves in the pool is what the graph keeps.
+  auto stored_by_element = [&](bool amp, const torch::Tensor& in, std::vector<double>* outputs) {
+    std::vector<double> stored;
+    std::optional<amp::Autocast> autocast;
+    if (amp) autocast.emplace(device.type(), c10::kBFloat16);
+    torch::Tensor x = in;
+    int64_t in_use = memory_stats(device).current;
+    for (size_t i = 0; i < net->size(); ++i) {
+      x = net->begin()[i].forward(x);
+      const int64_t now = memory_stats(device).current;
+      stored.push_back(static_cast<double>(now - in_use));
+      if (outputs) outputs->push_back(static_cast<double>(bytes_of(x)) / rows);
+      in_use = now;
+    }
+    return stored;
+  };
+  // y = fixed + per_row * rows through the two measurements.
+  auto fit = [&](double at_rows, double at_small, double& per_row, double& fixed) {
+    per_row = small_rows == model.rows_ ? at_rows / rows : (at_rows - at_small) / (rows - small_rows);
+    fixed = at_rows - per_row * rows;
+  };
+  for (bool amp : {false, true}) {
+    Activations& a = amp ? model.amp_ : model.fp32_;
+    const auto large = stored_by_element(amp, input, &a.output);
+    const auto small = stored_by_element(amp, small_input, nullptr);
+    a.stored.resize(large.size());
+    a.stored_fixed.resize(large.size());
+    for (size_t i = 0; i < large.size(); ++i) fit(large[i], small[i], a.stored[i], a.stored_fixed[i]);
+  }
+
+  // Measured steps after the step that creates the state, in fp32 and under autocast, at both sizes: the
+  // backward's extra (gradients in flight, the loss) and the optimizer step's temporaries.
+  auto optimizer = setup.optimizer(net->parameters(), Recipe());
+  auto step_extra = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool record_step) {
+    optimizer->zero_grad();
+    const int64_t start = memory_stats(device).current;
+    PeakScope pass(device);
+    {
+      std::optional<amp::Autocast> autocast;
+      if (amp) autocast.emplace(device.type(), c10::kBFloat16);
+      torch::Tensor loss = setup.loss(net->forward(in), tgt);
+      autocast.reset();
+      loss.backward();
+    }
+    const int64_t backward_peak = pass.peak() - start;
+    PeakScope step(device);
+    const int64_t before_step = memory_stats(device).current;
+    optimizer->step();
+    if (record_step) model.step_extra_ = std::max<int64_t>(0, step.peak() - before_step);
+    return static_cast<double>(backward_peak - model.param_bytes_);
+  };
+  step_extra(false, input, target, false);  // creates the state
+  for (bool amp : {false, true}) {
+    Activations& a = amp ? model.amp_ : model.fp32_;
+    double large_stored = 0, small_stored = 0;
+    for (size_t i = 0; i < a.stored.size(); ++i) {
+      large_stored += a.stored_fixed[i] + a.stored[i] * rows;
+      small_stored += a.stored_fixed[i] + a.stored[i] * static_cast<double>(small_rows);
+    }
+    const double large = step_extra(amp, input, target, !amp) - large_stored;
+    const double small = step_extra(amp, small_input, small_target, false) - small_stored;
+    // NOTE: the backward's extra is taken as proportional to the rows (from the whole batch): fitted through
+    // two sizes it extrapolates worse to small micro-batches on the zoo's models.
+    (void)small;
+    a.backward_extra_per_row = large / rows;
+    a.backward_extra_fixed = 0;
+  }
+  int64_t state = 0;
+  for (const auto& t : optimizer_state_tensors(*optimizer)) state += bytes_of(t);
+  model.moments_ = static_cast<int64_t>(std::llround(static_cast<double>(state) / model.param_bytes_));
+  return model;
+}
+
+int64_t MemoryModel::optimizer_state(const Recipe& recipe) const {
+  if (recipe.offload() == Offload::kOptimizerState) return 0;
+  // The setup's optimizer keeps `moments` fp32 tensors per parameter (measured: Adam 2, SGD with momentum 1).
+  const int64_t moments = moments_;
+  int64_t bytes = 0;
+  for (int64_t n : param_numel_) {
+    if (recipe.state_bits() == 8 && n >= optim::AdamW8bitOptions().min_8bit_size())
+      bytes += moments * (n + 4 * ((n + 255) / 256));  // one byte per element and a float per block of 256
+    else
+      bytes += moments * 4 * n;
+  }
+  return bytes;
+}
+
+int64_t MemoryModel::static_bytes(const Recipe& recipe) const {
+  return 2 * param_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_;
+}
+
+double MemoryModel::activation_peak(const Activations& a, const Recipe& recipe, double rows) const {
+  const auto plan = pieces(
+      recipe.checkpoint().kind == Checkpointing::Kind::kPolicy ? Checkpointing::none() : recipe.checkpoint(),
+      a.stored.size());
+  double stored_before = 0, peak = 0;
+  for (const auto& piece : plan) {
+    double inside = 0;
+    for (size_t i = piece.begin; i < piece.end; ++i) inside += a.stored_fixed[i] + a.stored[i] * rows;
+    if (!piece.recompute) {
+      stored_before += inside;
+      peak = std::max(peak, stored_before);
+      continue;
+    }
+    const double input = piece.begin == 0 ? 0 : a.output[piece.begin - 1] * rows;
+    peak = std::max(peak, stored_before + input + inside);  // while backward recomputes this piece
+    stored_before += input;
+  }
+  return std::max(peak, stored_before);
+}
+
+int64_t MemoryModel::predict(const Recipe& recipe) const {
+  const int64_t rows = recipe.micro_batch() == 0 ? batch_ : std::min(recipe.micro_batch(), batch_);
+  const Activations& a = recipe.amp() ? amp_ : fp32_;
+  const double activations = activation_peak(a, recipe, static_cast<double>(rows));
+  double checkpoint_grads = 0;  // a recomputed piece hands back its parameters' gradients at once
+  if (recipe.checkpoint().kind != Checkpointing::Kind::kNone) {
+    for (const auto& piece : pieces(recipe.checkpoint(), element_params_.size())) {
+      double bytes = 0;
+      for (size_t i = piece.begin; i < piece.end; ++i) bytes += static_cast<double>(element_params_[i]);
+      if (piece.recompute) checkpoint_grads = std::max(checkpoint_grads, bytes);
+    }
+  }
+  const double fixed = static_cast<double>(static_bytes(recipe));
+  // With accumulation the gradients exist when a micro-batch's arrive: the largest parameter's incoming
+  // gradient (and under autocast its bf16 form) is held beside it for a moment.
+  const double incoming =
+      rows < batch_ ? static_cast<double>(largest_param_) * (recipe.amp() ? 1.5 : 1.0) : 0.0;
+  // (A recomputed piece's gradients arrive the same way: the larger of the two moments counts.)
+  const double pass = fixed + activations + std::max(incoming, checkpoint_grads) + a.backward_extra_fixed +
+                      a.backward_extra_per_row * static_cast<double>(rows);
+  const bool own_kernels = recipe.state_bits() == 8 || recipe.offload() == Offload::kOptimizerState;
+  const double step = fixed + (own_kernels ? 0 : static_cast<double>(step_extra_));
+  return static_cast<int64_t>(std::llround(std::max(pass, step)));
+}
+
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device) {
+  (void)device;  // bf16 autocast on both the CPU and CUDA: no scaler needed
+  std::vector<Recipe> levels;
+  levels.push_back(Recipe());
+  levels.push_back(Recipe().amp(c10::kBFloat16));
+  const auto root = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(elements))));
+  if (root >= 2 && root < static_cast<int64_t>(elements))
+    levels.push_back(Recipe().amp(c10::kBFloat16).checkpoint(Checkpointing::segments(root)));
+  if (elements >= 2) levels.push_back(Recipe().amp(c10::kBFloat16).checkpoint(Checkpointing::every_layer()));
+  levels.push_back(Recipe(levels.back()).state_bits(8));
+  levels.push_back(Recipe(levels.back()).offload(Offload::kOptimizerState));
+  std::vector<int64_t> micro;
+  for (int64_t m = batch; m >= 1; m = (m + 1) / 2) {
+    micro.push_back(m);
+    if (m == 1) break;
+  }
+  std::vector<Recipe> out;
+  for (const Recipe& level : levels)
+    for (int64_t m : micro) out.push_back(Recipe(level).micro_batch(m == batch ? 0 : m));
+  return out;
+}
+
+RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
+  TORCH_CHECK(options.batch() > 0, "rescue: batch must be > 0, got ", options.batch());
+  TORCH_CHECK(options.budget() > 0, "rescue: budget must be > 0, got ", options.budget());
+  TORCH_CHECK(options.steps() >= 2, "rescue: steps must be >= 2 (the first is not timed), got ",
+              options.steps());
+  TORCH_CHECK(!options.device().is_cuda() || torch::cuda::is_available(), "rescue: device ", options.device(),
+              " requested but no CUDA device is available");
+  RescuePlan plan;
+  const MemoryModel model = MemoryModel::profile(setup, options.batch(), options.device());
+  plan.parameter_bytes = model.parameter_bytes();
+  if (options.budget() < plan.parameter_bytes) {
+    plan.below_parameters = true;
+    return plan;
+  }
+
+  const std::vector<Recipe> recipes = checklist(options.batch(), model.elements(), options.device());
+  for (const Recipe& r : recipes) {
+    Candidate c;
+    c.recipe = r;
+    c.predicted = model.predict(r);
+    c.static_bytes = model.static_bytes(r);
+    plan.candidates.push_back(std::move(c));
+  }
+  // A level is the recipe without its micro-batch; within a level the micro-batches go from large to small
+  // and the first that fits ends the level (smaller ones only add steps).
+  auto level_of = [](const Recipe& r) { return Recipe(r).micro_batch(0).label(); };
+  std::string fitted_level;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    Candidate& c = plan.candidates[i];
+    const std::string level = level_of(c.recipe);
+    if (c.static_bytes > options.budget()) {
+      c.status = Candidate::Status::kCannotFit;
+    } else if (level == fitted_level) {
+      c.status = Candidate::Status::kNotNeeded;
+    } else {
+      c.measured =
+          measure(setup, c.recipe, options.batch(), options.device(), options.steps(), options.budget());
+      c.status = c.measured.out_of_memory ? Candidate::Status::kOutOfMemory : Candidate::Status::kFits;
+      if (c.status == Candidate::Status::kFits) fitted_level = level;
+    }
+    if (options.progress()) options.progress()(i + 1, plan.candidates.size());
+  }
+
+  double reference = 0;
+  const Candidate& baseline = plan.candidates.front();
+  if (baseline.status == Candidate::Status::kFits) reference = baseline.measured.seconds;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Candidate& c = plan.candidates[i];
+    if (c.status != Candidate::Status::kFits) continue;
+    if (!plan.recommended || c.measured.seconds < plan.candidates[*plan.recommended].measured.seconds)
+      plan.recommended = i;
+  }
+  if (reference == 0 && plan.recommended) reference = plan.candidates[*plan.recommended].measured.seconds;
+  for (Candidate& c : plan.candidates)
+    if (c.status == Candidate::Status::kFits && c.measured.seconds > 0)
+      c.relative_throughput = reference / c.measured.seconds;
+  if (!plan.recommended) {
+    for (size_t i = 0; i < plan.candidates.size(); ++i)
+      if (!plan.closest_miss || plan.candidates[i].predicted < plan.candidates[*plan.closest_miss].predicted)
+        plan.closest_miss = i;
+  }
+  return plan;
+}
+
+}  // namespace memsave
