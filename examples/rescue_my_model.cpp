@@ -1,0 +1,78 @@
+// `memsave::rescue` on a model of your own: give it how to build the model, how to make a batch, the loss and
+// a budget; it walks the checklist on the real model, measures each candidate under the budget and prints the
+// fastest recipe that fits, as C++ to paste into the training code.
+//
+//   build/examples/rescue_my_model [--batch 64] [--budget 48MiB]
+#include <memsave/memsave.h>
+
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+
+namespace {
+
+/// The user's own model: a small convolutional classifier for 3×32×32 images.
+torch::nn::Sequential my_model() {
+  namespace nn = torch::nn;
+  return nn::Sequential(nn::Conv2d(nn::Conv2dOptions(3, 64, 3).padding(1)), nn::BatchNorm2d(64), nn::ReLU(),
+                        nn::Conv2d(nn::Conv2dOptions(64, 64, 3).padding(1)), nn::BatchNorm2d(64), nn::ReLU(),
+                        nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(64, 128, 3).padding(1)),
+                        nn::BatchNorm2d(128), nn::ReLU(), nn::AdaptiveAvgPool2d(1), nn::Flatten(),
+                        nn::Linear(128, 10));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  memsave::install_meter();
+  int64_t batch = 64;
+  std::string budget = "48MiB";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--batch") == 0) batch = std::atoll(argv[i + 1]);
+    if (std::strcmp(argv[i], "--budget") == 0) budget = argv[i + 1];
+  }
+  try {
+    memsave::TrainingSetup setup;
+    setup.make_model = my_model;
+    setup.make_batch = [](int64_t rows, c10::Device device) {
+      const auto on = torch::TensorOptions().device(device);
+      return std::make_pair(torch::randn({rows, 3, 32, 32}, on),
+                            torch::randint(10, {rows}, on.dtype(torch::kLong)));
+    };
+    setup.loss = [](const torch::Tensor& out, const torch::Tensor& y) {
+      return torch::nn::functional::cross_entropy(out, y);
+    };
+    setup.optimizer = memsave::adamw(1e-3);
+
+    const memsave::RescuePlan plan =
+        memsave::rescue(setup, memsave::RescueOptions(batch, memsave::parse_bytes(budget)).steps(2));
+    if (plan.below_parameters) {
+      std::printf("nothing can fit: the parameters alone take %s\n",
+                  memsave::format_bytes(plan.parameter_bytes).c_str());
+      return 3;
+    }
+    for (const memsave::Candidate& c : plan.candidates) {
+      if (c.status == memsave::Candidate::Status::kNotNeeded) continue;
+      const bool fits = c.status == memsave::Candidate::Status::kFits;
+      std::printf(
+          "  %-50s predicted %10s  %s\n", c.recipe.label().c_str(),
+          memsave::format_bytes(c.predicted).c_str(),
+          fits ? ("fits, peak " + memsave::format_bytes(c.measured.peak)).c_str()
+               : (c.status == memsave::Candidate::Status::kOutOfMemory ? "out of memory" : "cannot fit"));
+    }
+    if (!plan.recommended) {
+      std::printf("nothing fits in %s\n", budget.c_str());
+      return 3;
+    }
+    const memsave::Candidate& best = plan.candidates[*plan.recommended];
+    std::printf("recommended (peak %s of %s):\n  %s\n", memsave::format_bytes(best.measured.peak).c_str(),
+                budget.c_str(), best.recipe.to_cpp().c_str());
+    return 0;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "rescue_my_model: %s\n", e.what_without_backtrace());
+    return 2;
+  }
+}
