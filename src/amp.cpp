@@ -1,11 +1,14 @@
 #include "memsave/amp.h"
 
+#include "memsave/optim.h"
+
 #include "compat.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -102,11 +105,44 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   check_scaled("step()");
   TORCH_CHECK(optimizers_[&optimizer].stage != Stage::kStepped,
               "GradScaler: step() has already been called since the last update()");
-  if (optimizers_[&optimizer].stage == Stage::kReady) unscale_(optimizer);
+  if (optimizers_[&optimizer].stage == Stage::kReady) {
+    if (auto* fused = dynamic_cast<optim::LowBitOptimizer*>(&optimizer)) return step_fused(*fused);
+    unscale_(optimizer);
+  }
   OptimizerState& state = optimizers_[&optimizer];
   const bool clean = state.found_inf.item<float>() == 0.0f;
   if (clean) optimizer.step();
   state.stage = Stage::kStepped;
+  return clean;
+}
+
+bool GradScaler::step_fused(optim::LowBitOptimizer& optimizer) {
+  // The inf/NaN check reads the gradients once (their max-abs norms; a multi-tensor kernel on CUDA) and
+  // writes nothing; the unscale happens inside the optimizer's kernels. The gradients stay scaled.
+  std::map<std::pair<int, int>, std::vector<torch::Tensor>> groups;  // device type, index
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const torch::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(
+          g.scalar_type() != torch::kHalf,
+          "GradScaler: attempting to unscale fp16 gradients; the parameters (master weights) must be fp32");
+      TORCH_CHECK(!g.is_sparse(), "GradScaler: sparse gradients are not supported");
+      groups[{static_cast<int>(g.device().type()), g.device().index()}].push_back(g);
+    }
+  }
+  torch::NoGradGuard no_grad;
+  torch::Tensor found_inf = torch::zeros({}, scale_.options().dtype(torch::kFloat));
+  for (const auto& entry : groups) {
+    const auto norms = at::_foreach_norm(entry.second, std::numeric_limits<double>::infinity());
+    const torch::Tensor bad = torch::stack(norms).isfinite().logical_not().any().to(torch::kFloat);
+    found_inf.add_(bad.to(found_inf.device()));
+  }
+  OptimizerState& state = optimizers_[&optimizer];
+  state.found_inf = found_inf;
+  state.stage = Stage::kStepped;
+  const bool clean = found_inf.item<float>() == 0.0f;
+  if (clean) optimizer.step_scaled(scale_.to(torch::kDouble).reciprocal().to(torch::kFloat));
   return clean;
 }
 

@@ -223,7 +223,15 @@ struct Work {
 
 }  // namespace
 
-torch::Tensor LowBitOptimizer::step(LossClosure closure) {
+torch::Tensor LowBitOptimizer::step(LossClosure closure) { return step_impl(std::move(closure), {}); }
+
+torch::Tensor LowBitOptimizer::step_scaled(const torch::Tensor& inv_scale) {
+  TORCH_CHECK(inv_scale.defined() && inv_scale.numel() == 1 && inv_scale.scalar_type() == torch::kFloat,
+              kind_name(static_cast<int32_t>(kind_)), ": inv_scale must be a float scalar tensor");
+  return step_impl(nullptr, inv_scale);
+}
+
+torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tensor& inv_scale) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure != nullptr) {
@@ -316,7 +324,8 @@ torch::Tensor LowBitOptimizer::step(LossClosure closure) {
     const k::Rule rule = static_cast<k::Rule>(kind_);
     const k::StepScalars scalars = k::make_step_scalars(rule, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
                                                         s.step(), h.nesterov, h.dampening);
-    detail::TensorStep t{w.param, w.grad, &s, rule, scalars};
+    detail::TensorStep t{w.param, w.grad, &s, rule, scalars, {}};
+    if (inv_scale.defined()) t.inv_scale = inv_scale.to(w.param.device()).reshape({});
     if (w.param.is_cuda()) {
       cuda_steps.push_back(t);
     } else {
@@ -350,6 +359,7 @@ void step_cpu(const TensorStep& t) {
     step.block_size = s.block_size();
     step.rule = t.rule;
     step.scalars = t.scalars;
+    if (t.inv_scale.defined()) step.grad_scale = t.inv_scale.item<float>();
     const int64_t blocks = blocks_of(numel, s.block_size());
     at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / s.block_size()),
                      [&](int64_t begin, int64_t end) { k::step8_cpu(step, begin, end); });
@@ -363,6 +373,7 @@ void step_cpu(const TensorStep& t) {
     step.numel = numel;
     step.rule = t.rule;
     step.scalars = t.scalars;
+    if (t.inv_scale.defined()) step.grad_scale = t.inv_scale.item<float>();
     at::parallel_for(0, numel, 32768, [&](int64_t begin, int64_t end) { k::step32_cpu(step, begin, end); });
   }
 }

@@ -61,6 +61,9 @@ void step_cuda(const std::vector<TensorStep>& steps) {
                static_cast<int32_t>(t.rule)}]
         .push_back(c);
   }
+  const float* inv_scale = steps.empty() || !steps.front().inv_scale.defined()
+                               ? nullptr
+                               : steps.front().inv_scale.data_ptr<float>();
   for (const auto& [key, tensors] : groups) {
     const auto [device, block_size, dtype, rule] = key;
     const c10::cuda::CUDAGuard guard(device);
@@ -74,6 +77,7 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     step.signed_book = device_book(true, device);
     step.unsigned_book = device_book(false, device);
     step.max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 8;
+    step.inv_scale = inv_scale;
     const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());
     C10_CUDA_CHECK(static_cast<cudaError_t>(error));
   }

@@ -14,6 +14,9 @@ struct TensorStep {
   QuantizedParamState* state;
   kernels::Rule rule;
   kernels::StepScalars scalars;
+  /// A GradScaler's 1/scale, multiplied into the gradient inside the kernel: a float scalar on the
+  /// parameter's device, or undefined for none.
+  torch::Tensor inv_scale;
 };
 
 void step_cpu(const TensorStep& step);

@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <sstream>
 
 namespace memsave::amp {
@@ -184,6 +186,68 @@ TEST(Autocast, RunsMatmulsInBFloat16OnTheCpuAndRestoresTheState) {
   }
   EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
   EXPECT_THROW(Autocast(torch::kCPU, torch::kHalf), c10::Error);
+}
+
+/// Two twins trained with a GradScaler: `fused` lets the scaler fuse the unscale into AdamW8bit's kernels,
+/// the other calls unscale_ first (LibTorch's unscale pass, then the kernel).
+struct ScaledRun {
+  torch::nn::Sequential net;
+  std::unique_ptr<optim::AdamW8bit> opt;
+  GradScaler scaler{GradScalerOptions().init_scale(1024)};
+
+  ScaledRun() {
+    torch::manual_seed(0);
+    net = torch::nn::Sequential(torch::nn::Linear(64, 96), torch::nn::Tanh(), torch::nn::Linear(96, 4));
+    opt = std::make_unique<optim::AdamW8bit>(net->parameters(),
+                                             optim::AdamW8bitOptions(1e-2).min_8bit_size(1000));
+  }
+  bool step(bool fused, int seed, float poison = 1.0f) {
+    torch::manual_seed(seed);
+    const auto x = torch::randn({16, 64}), y = torch::randint(4, {16});
+    opt->zero_grad();
+    scaler.scale(torch::nn::functional::cross_entropy(net->forward(x), y) * poison).backward();
+    if (!fused) scaler.unscale_(*opt);
+    const bool stepped = scaler.step(*opt);
+    scaler.update();
+    return stepped;
+  }
+};
+
+TEST(GradScaler, FusedUnscaleIsBitIdenticalToTheUnscalePass) {
+  ScaledRun fused, plain;
+  for (int s = 0; s < 6; ++s) {
+    EXPECT_TRUE(fused.step(true, s));
+    EXPECT_TRUE(plain.step(false, s));
+  }
+  const auto a = fused.net->parameters(), b = plain.net->parameters();
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+    const auto sa = fused.opt->state_fp32(a[i]), sb = plain.opt->state_fp32(b[i]);
+    for (size_t j = 0; j < sa.size(); ++j) EXPECT_TRUE(torch::equal(sa[j], sb[j])) << i << "/" << j;
+    // No pass rewrote the fused run's gradients: they are still the scaled ones, 1024 × the plain run's.
+    EXPECT_TRUE(torch::allclose(a[i].grad(), b[i].grad() * 1024, 1e-6, 0)) << i;
+  }
+}
+
+TEST(GradScaler, FusedStepSkipsOnInfOrNaNAndChangesNothing) {
+  ScaledRun run;
+  EXPECT_TRUE(run.step(true, 0));  // creates the state
+  for (const float poison :
+       {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<torch::Tensor> params, state;
+    for (const auto& p : run.net->parameters()) {
+      params.push_back(p.detach().clone());
+      for (const auto& t : run.opt->state_fp32(p)) state.push_back(t);
+    }
+    const double scale = run.scaler.get_scale();
+    EXPECT_FALSE(run.step(true, 1, poison));
+    EXPECT_EQ(run.scaler.get_scale(), scale / 2);
+    size_t k = 0, j = 0;
+    for (const auto& p : run.net->parameters()) {
+      EXPECT_TRUE(torch::equal(p, params[k++]));
+      for (const auto& t : run.opt->state_fp32(p)) EXPECT_TRUE(torch::equal(t, state[j++]));
+    }
+  }
 }
 
 }  // namespace

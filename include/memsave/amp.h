@@ -24,6 +24,10 @@
 #include <cstdint>
 #include <unordered_map>
 
+namespace memsave::optim {
+class LowBitOptimizer;
+}
+
 namespace memsave::amp {
 
 /// Enables autocast for one device type with one dtype (CUDA: fp16 or bf16; CPU: bf16) for its lifetime, and
@@ -64,7 +68,9 @@ class GradScaler {
   /// optimizer between updates; an error after `step`, for fp16 gradients, or before any `scale`.
   void unscale_(torch::optim::Optimizer& optimizer);
   /// Unscales (unless `unscale_` was called) and steps the optimizer unless a gradient was inf or NaN.
-  /// Returns whether it stepped. Once per optimizer between updates.
+  /// Returns whether it stepped. Once per optimizer between updates. For memsave's own optimizers without a
+  /// prior `unscale_`, the unscale happens inside their kernels (the gradients are read once for the inf
+  /// check and never rewritten; they stay scaled).
   bool step(torch::optim::Optimizer& optimizer);
   /// Backs the scale off after an inf or NaN in any optimizer stepped since the last update, or grows it
   /// after `growth_interval` clean updates in a row (never to inf).
@@ -88,6 +94,9 @@ class GradScaler {
     torch::Tensor found_inf;  ///< float [] on the scale's device: non-zero when a gradient was inf or NaN
   };
   void check_scaled(const char* call) const;
+  /// step() for memsave's own optimizers when unscale_ was not called: the unscale is fused into their
+  /// kernels.
+  bool step_fused(optim::LowBitOptimizer& optimizer);
 
   GradScalerOptions options_;
   torch::Tensor scale_;           ///< float32 [], created by the first scale()

@@ -147,6 +147,10 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   LowBitOptimizer& operator=(const LowBitOptimizer&) = delete;
 
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// Steps with every gradient multiplied by `inv_scale` (a float scalar tensor, a GradScaler's 1/scale)
+  /// inside the update kernels: unscaling without a pass of its own. The gradients themselves are left as
+  /// they are. memsave::amp::GradScaler::step calls it when `unscale_` was not called.
+  torch::Tensor step_scaled(const torch::Tensor& inv_scale);
   void save(torch::serialize::OutputArchive& archive) const override;
   /// Loads what `save` wrote. A file from another optimizer, with other shapes or block sizes, or corrupt, is
   /// an error that leaves this optimizer unchanged.
@@ -175,6 +179,7 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   static void check(const Hyper& h, Kind kind);
 
  private:
+  torch::Tensor step_impl(LossClosure closure, const torch::Tensor& inv_scale);
   Kind kind_;
   std::unordered_set<const void*> forced_32bit_;
 };
