@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
   };
   // fused: read g for the check (4) + the 8-bit step (16 + absmax); separate pass: read and write g (8) + the
   // step; LibTorch: read and write g (8) + AdamW's 28.
-  const Row rows[] = {{"AdamW8bit, unscale fused (scaler.step)", Path::kFused, 4 + 16},
+  const Row rows[] = {{"AdamW8bit, unscale fused (FuseUnscale::kAlways)", Path::kFused, 4 + 16},
                       {"AdamW8bit, unscale_ pass then step", Path::kUnscalePass, 8 + 16},
                       {"LibTorch AdamW, unscale_ pass then step", Path::kLibTorch, 8 + 28}};
   for (const Row& row : rows) {

@@ -47,7 +47,7 @@ run_tests() {  # binary, filter
   fi
 }
 run_tests tests/memsave_cuda_tests '*'
-run_tests tests/memsave_tests 'Cuda*:EightBit*:Fp32State*:Meter*:Checkpoint*:Offload*'
+run_tests tests/memsave_tests 'Cuda*:EightBit*:Fp32State*:Meter*:Checkpoint*:Offload*:GradScaler*'
 run_tests tests/kernels/memsave_kernel_tests '*'
 
 "$build/bench/memsave_bench_optim_cuda" 1000000000 >"$out/bench_optim_cuda.txt" 2>&1 || status=1

@@ -2,11 +2,14 @@
 
 #include "memsave/optim.h"
 
+#include "../kernels/finite.h"
 #include "compat.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -14,6 +17,24 @@
 #include <vector>
 
 namespace memsave::amp {
+namespace {
+
+/// The read-only inf/NaN check of kernels/finite.h over a CPU gradient, on all threads.
+bool all_finite_cpu(const torch::Tensor& grad) {
+  const torch::Tensor g = grad.contiguous();
+  kernels::DType dtype = kernels::DType::kFloat32;
+  if (g.scalar_type() == torch::kBFloat16) dtype = kernels::DType::kBFloat16;
+  if (g.scalar_type() == torch::kHalf) dtype = kernels::DType::kFloat16;
+  if (g.scalar_type() != torch::kFloat && dtype == kernels::DType::kFloat32)
+    return g.isfinite().all().item<bool>();
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, g.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
+    if (!kernels::all_finite(g.data_ptr(), dtype, begin, end)) finite = false;
+  });
+  return finite;
+}
+
+}  // namespace
 
 Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled)
     : device_type_(device_type),
@@ -106,7 +127,8 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(optimizers_[&optimizer].stage != Stage::kStepped,
               "GradScaler: step() has already been called since the last update()");
   if (optimizers_[&optimizer].stage == Stage::kReady) {
-    if (auto* fused = dynamic_cast<optim::LowBitOptimizer*>(&optimizer)) return step_fused(*fused);
+    auto* fused = dynamic_cast<optim::LowBitOptimizer*>(&optimizer);
+    if (fused != nullptr && fuses(*fused)) return step_fused(*fused);
     unscale_(optimizer);
   }
   OptimizerState& state = optimizers_[&optimizer];
@@ -114,6 +136,15 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   if (clean) optimizer.step();
   state.stage = Stage::kStepped;
   return clean;
+}
+
+bool GradScaler::fuses(const optim::LowBitOptimizer& optimizer) const {
+  if (options_.fuse_unscale() == FuseUnscale::kNever) return false;
+  if (options_.fuse_unscale() == FuseUnscale::kAlways) return true;
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params())
+      if (p.grad().defined() && !p.grad().is_cuda()) return false;
+  return true;
 }
 
 bool GradScaler::step_fused(optim::LowBitOptimizer& optimizer) {
@@ -134,8 +165,15 @@ bool GradScaler::step_fused(optim::LowBitOptimizer& optimizer) {
   torch::NoGradGuard no_grad;
   torch::Tensor found_inf = torch::zeros({}, scale_.options().dtype(torch::kFloat));
   for (const auto& entry : groups) {
-    const auto norms = at::_foreach_norm(entry.second, std::numeric_limits<double>::infinity());
-    const torch::Tensor bad = torch::stack(norms).isfinite().logical_not().any().to(torch::kFloat);
+    std::vector<torch::Tensor> checks;
+    if (entry.first.first == static_cast<int>(c10::kCPU)) {
+      bool finite = true;
+      for (const auto& g : entry.second) finite = finite && all_finite_cpu(g);
+      checks.push_back(torch::full({}, finite ? 0.0 : INFINITY, scale_.options().dtype(torch::kFloat)));
+    } else {
+      checks = at::_foreach_norm(entry.second, std::numeric_limits<double>::infinity());  // one launch
+    }
+    const torch::Tensor bad = torch::stack(checks).isfinite().logical_not().any().to(torch::kFloat);
     found_inf.add_(bad.to(found_inf.device()));
   }
   OptimizerState& state = optimizers_[&optimizer];

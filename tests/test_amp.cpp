@@ -193,7 +193,7 @@ TEST(Autocast, RunsMatmulsInBFloat16OnTheCpuAndRestoresTheState) {
 struct ScaledRun {
   torch::nn::Sequential net;
   std::unique_ptr<optim::AdamW8bit> opt;
-  GradScaler scaler{GradScalerOptions().init_scale(1024)};
+  GradScaler scaler{GradScalerOptions().init_scale(1024).fuse_unscale(FuseUnscale::kAlways)};
 
   ScaledRun() {
     torch::manual_seed(0);

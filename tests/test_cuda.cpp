@@ -1,5 +1,6 @@
 // CUDA: the meter's device pool and budget, pinned host arena, the optimizer kernels' launches and scaler
 // inputs, offload from a CUDA model and checkpointing on CUDA. Every test skips at run time without a device.
+#include <memsave/amp.h>
 #include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 #include <memsave/offload.h>
@@ -172,6 +173,31 @@ TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {
   net->forward(x).square().sum().backward();
   for (size_t i = 0; i < plain->parameters().size(); ++i)
     EXPECT_TRUE(torch::equal(plain->parameters()[i].grad(), wrapped->parameters()[i].grad())) << i;
+}
+
+TEST(CudaAmp, FusedUnscaleIsBitIdenticalToTheUnscalePass) {
+  SKIP_WITHOUT_CUDA();
+  auto run = [](amp::FuseUnscale fuse) {
+    torch::manual_seed(0);
+    auto net =
+        torch::nn::Sequential(torch::nn::Linear(64, 256), torch::nn::Tanh(), torch::nn::Linear(256, 4));
+    net->to(kCuda);
+    optim::AdamW8bit opt(net->parameters(), optim::AdamW8bitOptions(1e-2).min_8bit_size(1000));
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1024).fuse_unscale(fuse));
+    for (int s = 0; s < 5; ++s) {
+      torch::manual_seed(s);
+      const auto x = torch::randn({16, 64}).to(kCuda);
+      const auto y = torch::randint(4, {16}).to(kCuda);
+      opt.zero_grad();
+      scaler.scale(torch::nn::functional::cross_entropy(net->forward(x), y) * (s == 3 ? INFINITY : 1.0f))
+          .backward();
+      EXPECT_EQ(scaler.step(opt), s != 3);
+      scaler.update();
+    }
+    return net->parameters();
+  };
+  const auto fused = run(amp::FuseUnscale::kCuda), plain = run(amp::FuseUnscale::kNever);
+  for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(torch::equal(fused[i], plain[i])) << i;
 }
 
 }  // namespace

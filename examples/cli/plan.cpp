@@ -308,8 +308,8 @@ std::string format_bench(const std::vector<BenchRow>& rows, const std::string& m
   }
   const auto rule_rows = rules(rows, model, batch);
   if (!rule_rows.empty()) {
-    out << "\n" << cell("rule of thumb", 48) << cell("tutorials", 16) << "this run\n";
-    for (const RuleRow& r : rule_rows) out << cell(r.rule, 48) << cell(r.tutorials, 16) << r.measured << "\n";
+    out << "\n" << cell("rule of thumb", 56) << cell("tutorials", 18) << "this run\n";
+    for (const RuleRow& r : rule_rows) out << cell(r.rule, 56) << cell(r.tutorials, 18) << r.measured << "\n";
   }
   return out.str();
 }

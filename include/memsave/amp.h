@@ -45,6 +45,15 @@ class Autocast {
   c10::ScalarType previous_dtype_;
 };
 
+/// Where GradScaler::step folds the unscale into memsave's optimizer kernels instead of a pass of its own.
+enum class FuseUnscale {
+  kNever,
+  /// When the gradients are on CUDA (the default: on the CPU the separate pass measured faster,
+  /// bench/RESULTS-amp.md).
+  kCuda,
+  kAlways,
+};
+
 struct GradScalerOptions {
   /// The first scale.
   TORCH_ARG(double, init_scale) = 65536.0;
@@ -56,6 +65,8 @@ struct GradScalerOptions {
   TORCH_ARG(int64_t, growth_interval) = 2000;
   /// When false every call passes through: scale returns its input, step steps, update does nothing.
   TORCH_ARG(bool, enabled) = true;
+  /// With memsave's optimizers and no prior unscale_: where step() unscales inside their kernels.
+  TORCH_ARG(FuseUnscale, fuse_unscale) = FuseUnscale::kCuda;
 };
 
 class GradScaler {
@@ -97,6 +108,7 @@ class GradScaler {
   /// step() for memsave's own optimizers when unscale_ was not called: the unscale is fused into their
   /// kernels.
   bool step_fused(optim::LowBitOptimizer& optimizer);
+  bool fuses(const optim::LowBitOptimizer& optimizer) const;
 
   GradScalerOptions options_;
   torch::Tensor scale_;           ///< float32 [], created by the first scale()
