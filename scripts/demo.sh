@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set-up, build, then the main job: the OOM rescue on a built-in model with a budget that forces the checklist
-# (gpt-tiny at batch 64 peaks near 175 MiB; the budget is 80 MiB), which prints the table of candidates and the
+# (gpt-tiny at batch 64 needs about 170 MiB; the budget is 80 MiB), which prints the table of candidates and the
 # recommended recipe. Arguments replace the defaults and go to `memsave rescue`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
