@@ -140,7 +140,9 @@ TEST(Cli, RescueRecommendsARecipeUnderTheBudget) {
   EXPECT_LE(best["peak"].get<int64_t>(), 80 << 20);
   EXPECT_EQ(j["candidates"][0]["status"], "out of memory");  // the baseline does not fit
   for (const auto& c : j["candidates"])
-    if (c["fits"].get<bool>()) EXPECT_GE(c["seconds"].get<double>(), best["seconds"].get<double>());
+    if (c["fits"].get<bool>()) {
+      EXPECT_GE(c["seconds"].get<double>(), best["seconds"].get<double>());
+    }
   EXPECT_TRUE(contains(best["cpp"].get<std::string>(), "memsave::Recipe()"));
 }
 

@@ -38,7 +38,9 @@ TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
   // Measured again on its own, the recommendation fits.
   EXPECT_LE(measure(setup, best.recipe, batch, torch::kCPU, 2).peak, budget);
   for (const Candidate& c : plan.candidates)
-    if (c.status == Candidate::Status::kFits) EXPECT_GE(c.measured.seconds, best.measured.seconds);
+    if (c.status == Candidate::Status::kFits) {
+      EXPECT_GE(c.measured.seconds, best.measured.seconds);
+    }
   // Accumulation keeps the effective batch: the step's items are the whole batch.
   torch::manual_seed(0);
   auto net = setup.make_model();
@@ -58,8 +60,9 @@ TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
       EXPECT_EQ(c.status, Candidate::Status::kCannotFit) << c.recipe.label();
       EXPECT_EQ(c.measured.peak, 0);
     }
-    if (c.status == Candidate::Status::kFits)
-      EXPECT_NE(c.recipe.state_bits() == 8 || c.recipe.offload() != Offload::kNone, false);
+    if (c.status == Candidate::Status::kFits) {  // only 8-bit or offloaded state can fit this budget
+      EXPECT_TRUE(c.recipe.state_bits() == 8 || c.recipe.offload() != Offload::kNone) << c.recipe.label();
+    }
   }
 }
 
