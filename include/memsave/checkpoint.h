@@ -2,10 +2,10 @@
 // recompute it during backward.
 //
 //   auto net = memsave::nn::checkpoint_sequential(make_layers(), /*segments=*/4);   // a whole model
-//   auto block = memsave::nn::Checkpoint(DecoderBlock(config));                     // one module
-//   auto y = memsave::checkpoint(*block, [&](at::TensorList x) {                   // any callable
-//     return std::vector<torch::Tensor>{block->forward(x[0], x[1])};
-//   }, {x, mask});
+//   auto layer = memsave::nn::Checkpoint(torch::nn::Linear(1024, 1024));          // one module
+//   auto y = memsave::checkpoint(*block, [&](at::TensorList x) {                   // any callable, here a
+//     return std::vector<torch::Tensor>{block->forward(x[0], x[1])};              // user module taking two
+//   }, {x, mask});                                                                 // tensors
 //
 // Gradients are bit-identical to running without checkpointing: the recomputation replays the forward's RNG
 // state (dropout masks) and autocast state, and the parameters used are inputs of the autograd node, so they
