@@ -285,8 +285,9 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     variable_list result{at::Tensor()};
     size_t next = 0;
     for (size_t i = 0; i < inputs.size(); ++i)
-      result.push_back(r->input_requires_grad[i] ? grads[next++] : at::Tensor());
-    for (size_t i = 0; i < r->parameters.size(); ++i) result.push_back(grads[next++]);
+      result.push_back(r->input_requires_grad[i] ? std::move(grads[next++]) : at::Tensor());
+    // Moved, not copied: AccumulateGrad can then take a gradient as .grad without copying it.
+    for (size_t i = 0; i < r->parameters.size(); ++i) result.push_back(std::move(grads[next++]));
     return result;
   }
 };

@@ -228,8 +228,10 @@ int64_t MemoryModel::predict(const Recipe& recipe) const {
   const int64_t rows = recipe.micro_batch() == 0 ? batch_ : std::min(recipe.micro_batch(), batch_);
   const Activations& a = recipe.amp() ? amp_ : fp32_;
   const double activations = activation_peak(a, recipe, static_cast<double>(rows));
-  double checkpoint_grads = 0;  // a recomputed piece hands back its parameters' gradients at once
-  if (recipe.checkpoint().kind != Checkpointing::Kind::kNone) {
+  // A recomputed piece hands back its parameters' gradients at once; they are held beside the accumulated ones
+  // when the gradients already exist (accumulation), and taken over as .grad otherwise.
+  double checkpoint_grads = 0;
+  if (recipe.checkpoint().kind != Checkpointing::Kind::kNone && rows < batch_) {
     for (const auto& piece : pieces(recipe.checkpoint(), element_params_.size())) {
       double bytes = 0;
       for (size_t i = piece.begin; i < piece.end; ++i) bytes += static_cast<double>(element_params_[i]);
