@@ -61,10 +61,10 @@ int main(int argc, char** argv) {
     const Result full = run(model, batch, 0, steps);
     const Result micro = run(model, batch, batch / 4, steps);
     for (const auto* r : {&full, &micro}) {
-      std::printf("| %s | %lld | %lld | %s | %s | %.1f | %.2f× | %.2f× |\n", model, static_cast<long long>(batch),
-                  static_cast<long long>(r == &full ? batch : batch / 4),
-                  memsave::format_bytes(r->parts.total).c_str(), memsave::format_bytes(r->parts.other).c_str(),
-                  static_cast<double>(batch) / r->seconds,
+      std::printf("| %s | %lld | %lld | %s | %s | %.1f | %.2f× | %.2f× |\n", model,
+                  static_cast<long long>(batch), static_cast<long long>(r == &full ? batch : batch / 4),
+                  memsave::format_bytes(r->parts.total).c_str(),
+                  memsave::format_bytes(r->parts.other).c_str(), static_cast<double>(batch) / r->seconds,
                   static_cast<double>(r->parts.other) / static_cast<double>(full.parts.other),
                   full.seconds / r->seconds);
       std::fflush(stdout);

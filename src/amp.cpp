@@ -34,6 +34,23 @@ bool all_finite_cpu(const torch::Tensor& grad) {
   return finite;
 }
 
+/// The defined gradients of `optimizer`, checked before anything touches them (not fp16, not sparse).
+std::vector<torch::Tensor> checked_gradients(const torch::optim::Optimizer& optimizer) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const torch::Tensor& g = p.grad();
+      if (!g.defined()) continue;
+      TORCH_CHECK(
+          g.scalar_type() != torch::kHalf,
+          "GradScaler: attempting to unscale fp16 gradients; the parameters (master weights) must be fp32");
+      TORCH_CHECK(!g.is_sparse(), "GradScaler: sparse gradients are not supported");
+      grads.push_back(g);
+    }
+  }
+  return grads;
+}
+
 }  // namespace
 
 Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled)
@@ -92,18 +109,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   TORCH_CHECK(state.stage != Stage::kStepped, "GradScaler: unscale_() is being called after step()");
   // Check every gradient before touching any.
   std::map<std::tuple<int, int, int>, std::vector<torch::Tensor>> groups;  // device type, index, dtype
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      const torch::Tensor& g = p.grad();
-      if (!g.defined()) continue;
-      TORCH_CHECK(
-          g.scalar_type() != torch::kHalf,
-          "GradScaler: attempting to unscale fp16 gradients; the parameters (master weights) must be fp32");
-      TORCH_CHECK(!g.is_sparse(), "GradScaler: sparse gradients are not supported");
-      groups[{static_cast<int>(g.device().type()), g.device().index(), static_cast<int>(g.scalar_type())}]
-          .push_back(g);
-    }
-  }
+  for (const torch::Tensor& g : checked_gradients(optimizer))
+    groups[{static_cast<int>(g.device().type()), g.device().index(), static_cast<int>(g.scalar_type())}]
+        .push_back(g);
   torch::NoGradGuard no_grad;
   const torch::Tensor inv_scale = scale_.to(torch::kDouble).reciprocal().to(torch::kFloat);
   torch::Tensor found_inf = torch::zeros({}, scale_.options().dtype(torch::kFloat));
@@ -148,20 +156,12 @@ bool GradScaler::fuses(const optim::LowBitOptimizer& optimizer) const {
 }
 
 bool GradScaler::step_fused(optim::LowBitOptimizer& optimizer) {
-  // The inf/NaN check reads the gradients once (their max-abs norms; a multi-tensor kernel on CUDA) and
-  // writes nothing; the unscale happens inside the optimizer's kernels. The gradients stay scaled.
+  // The inf/NaN check reads the gradients once and writes nothing (kernels/finite.h on the CPU, max-abs norms
+  // in one multi-tensor launch on CUDA); the unscale happens inside the optimizer's kernels. The gradients
+  // stay scaled.
   std::map<std::pair<int, int>, std::vector<torch::Tensor>> groups;  // device type, index
-  for (const auto& group : optimizer.param_groups()) {
-    for (const auto& p : group.params()) {
-      const torch::Tensor& g = p.grad();
-      if (!g.defined()) continue;
-      TORCH_CHECK(
-          g.scalar_type() != torch::kHalf,
-          "GradScaler: attempting to unscale fp16 gradients; the parameters (master weights) must be fp32");
-      TORCH_CHECK(!g.is_sparse(), "GradScaler: sparse gradients are not supported");
-      groups[{static_cast<int>(g.device().type()), g.device().index()}].push_back(g);
-    }
-  }
+  for (const torch::Tensor& g : checked_gradients(optimizer))
+    groups[{static_cast<int>(g.device().type()), g.device().index()}].push_back(g);
   torch::NoGradGuard no_grad;
   torch::Tensor found_inf = torch::zeros({}, scale_.options().dtype(torch::kFloat));
   for (const auto& entry : groups) {

@@ -421,18 +421,24 @@ void CheckpointSequentialImpl::pretty_print(std::ostream& stream) const {
   stream << ")";
 }
 
-CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
-                                           CheckpointOptions options) {
-  TORCH_CHECK(!sequential.is_empty() && sequential->size() > 0, "checkpoint_sequential: sequential is empty");
-  const auto n = static_cast<int64_t>(sequential->size());
-  TORCH_CHECK(segments >= 1 && segments <= n, "checkpoint_sequential: segments must be in [1, ", n,
-              "] (the number of elements), got ", segments);
+std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments) {
+  const auto n = static_cast<int64_t>(elements);
   std::vector<CheckpointSequentialImpl::Segment> plan;
   for (int64_t k = 0; k < segments; ++k) {
     const auto begin = static_cast<size_t>(k * n / segments),
                end = static_cast<size_t>((k + 1) * n / segments);
     plan.push_back({begin, end, /*recompute=*/k + 1 < segments});
   }
+  return plan;
+}
+
+CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
+                                           CheckpointOptions options) {
+  TORCH_CHECK(!sequential.is_empty() && sequential->size() > 0, "checkpoint_sequential: sequential is empty");
+  const auto n = static_cast<int64_t>(sequential->size());
+  TORCH_CHECK(segments >= 1 && segments <= n, "checkpoint_sequential: segments must be in [1, ", n,
+              "] (the number of elements), got ", segments);
+  auto plan = even_segments(sequential->size(), segments);
   return CheckpointSequential(std::move(sequential), std::move(plan), options);
 }
 

@@ -19,14 +19,10 @@ int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * t.el
 
 /// The pieces of a checkpoint plan over `n` elements, as checkpoint_sequential cuts them.
 std::vector<nn::CheckpointSequentialImpl::Segment> pieces(const Checkpointing& c, size_t n) {
-  std::vector<nn::CheckpointSequentialImpl::Segment> plan;
   int64_t k = 1;
   if (c.kind == Checkpointing::Kind::kSegments) k = std::min<int64_t>(c.count, static_cast<int64_t>(n));
   if (c.kind == Checkpointing::Kind::kEveryLayer) k = static_cast<int64_t>(n);
-  const auto total = static_cast<int64_t>(n);
-  for (int64_t i = 0; i < k; ++i)
-    plan.push_back({static_cast<size_t>(i * total / k), static_cast<size_t>((i + 1) * total / k), i + 1 < k});
-  return plan;
+  return nn::even_segments(n, k);
 }
 
 double median(std::vector<double> v) {
@@ -87,7 +83,6 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
                                       c10::Device device) {
   MemoryModel model;
   model.batch_ = batch;
-  model.device_ = device;
   model.rows_ = rows_;
   const double rows = static_cast<double>(model.rows_);
 
@@ -228,8 +223,8 @@ int64_t MemoryModel::predict(const Recipe& recipe) const {
   const int64_t rows = recipe.micro_batch() == 0 ? batch_ : std::min(recipe.micro_batch(), batch_);
   const Activations& a = recipe.amp() ? amp_ : fp32_;
   const double activations = activation_peak(a, recipe, static_cast<double>(rows));
-  // A recomputed piece hands back its parameters' gradients at once; they are held beside the accumulated ones
-  // when the gradients already exist (accumulation), and taken over as .grad otherwise.
+  // A recomputed piece hands back its parameters' gradients at once; they are held beside the accumulated
+  // ones when the gradients already exist (accumulation), and taken over as .grad otherwise.
   double checkpoint_grads = 0;
   if (recipe.checkpoint().kind != Checkpointing::Kind::kNone && rows < batch_) {
     for (const auto& piece : pieces(recipe.checkpoint(), element_params_.size())) {

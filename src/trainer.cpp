@@ -143,24 +143,32 @@ Trainer::Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optim
   apply(model);
   optimizer_ = make_optimizer(model->parameters(), recipe_);
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: make_optimizer returned no optimizer");
-  accumulator_ = std::make_unique<GradientAccumulator>(*optimizer_,
-                                                       AccumulateOptions()
-                                                           .window(std::numeric_limits<int64_t>::max())
-                                                           .max_grad_norm(recipe_.max_grad_norm())
-                                                           .reduction(recipe_.loss_reduction()),
-                                                       scaler());
+  make_accumulator();
 }
 
 Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer,
                  Recipe recipe)
     : recipe_(std::move(recipe)), optimizer_(std::move(optimizer)) {
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: optimizer is null");
-  const bool low_bit = dynamic_cast<optim::LowBitOptimizer*>(optimizer_.get()) != nullptr;
+  const auto* offload = dynamic_cast<const OffloadOptimizer*>(optimizer_.get());
+  TORCH_CHECK((offload != nullptr) == (recipe_.offload() == Offload::kOptimizerState), "Trainer: the recipe ",
+              recipe_.offload() == Offload::kNone ? "does not offload" : "offloads",
+              " the optimizer state but the optimizer given ", offload ? "is" : "is not",
+              " a memsave::OffloadOptimizer");
+  const bool low_bit =
+      offload ? static_cast<const OffloadOptimizerOptions&>(offload->param_groups().front().options())
+                        .state_bits() == 8
+              : dynamic_cast<optim::LowBitOptimizer*>(optimizer_.get()) != nullptr;
   TORCH_CHECK(
       low_bit == (recipe_.state_bits() == 8), "Trainer: the recipe asks for ", recipe_.state_bits(),
       "-bit optimizer state but the optimizer given ", low_bit ? "is" : "is not",
       " one of memsave's 8-bit optimizers; build it with an OptimizerFactory (memsave::adamw) instead");
   apply(model);
+  make_accumulator();
+}
+
+void Trainer::make_accumulator() {
+  // One window per step(): the Trainer closes it itself after the batch's micro-batches.
   accumulator_ = std::make_unique<GradientAccumulator>(*optimizer_,
                                                        AccumulateOptions()
                                                            .window(std::numeric_limits<int64_t>::max())

@@ -160,7 +160,8 @@ TEST(Cli, RescueBelowTheParametersExitsAtOnce) {
 }
 
 TEST(Cli, RescueWhereNothingFitsNamesTheClosestMiss) {
-  const Result r = invoke_stdout("rescue --model mlp --batch 8 --budget 40MiB --steps 2");  // params 22 MiB, grads 22
+  const Result r =
+      invoke_stdout("rescue --model mlp --batch 8 --budget 40MiB --steps 2");  // params 22 MiB, grads 22
   EXPECT_EQ(r.code, 3) << r.output;
   EXPECT_TRUE(contains(r.output, "nothing fits. Closest:")) << r.output;
 }

@@ -264,6 +264,13 @@ TEST(Offload, TheTrainerOffloadsWithARecipe) {
   EXPECT_LT(last, first * 0.7);
   EXPECT_THROW(Trainer(net, sgd(0.1), Recipe().offload(Offload::kOptimizerState)), c10::Error);
   EXPECT_THROW(Trainer(net, adamw(), Recipe().offload_activations(true)), c10::Error);
+  // A hand-built optimizer must be what the recipe says: an offloading one, with the recipe's bits.
+  auto on_device = std::make_shared<torch::optim::AdamW>(net->parameters());
+  EXPECT_THROW(Trainer(net, on_device, Recipe().offload(Offload::kOptimizerState)), c10::Error);
+  auto offloaded =
+      std::make_shared<OffloadOptimizer>(net->parameters(), OffloadOptimizerOptions().state_bits(8));
+  EXPECT_THROW(Trainer(net, offloaded, Recipe()), c10::Error);
+  EXPECT_NO_THROW(Trainer(net, offloaded, Recipe().offload(Offload::kOptimizerState).state_bits(8)));
 }
 
 }  // namespace

@@ -11,22 +11,11 @@
 namespace memsave {
 namespace {
 
-TrainingSetup setup_of(const std::string& name) {
-  const zoo::Workload w = zoo::workload(name);
-  TrainingSetup s;
-  s.make_model = w.make_model;
-  s.make_batch = [w](int64_t rows, c10::Device device) {
-    const zoo::Batch b = w.make_batch(rows, device);
-    return std::make_pair(b.input, b.target);
-  };
-  s.loss = w.loss;
-  s.optimizer = adamw(1e-4);
-  return s;
-}
+using zoo::training_setup;
 
 TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
   install_meter();
-  const TrainingSetup setup = setup_of("gpt-tiny");
+  const TrainingSetup setup = training_setup("gpt-tiny");
   const int64_t batch = 32;
   const Measurement baseline = measure(setup, Recipe(), batch, torch::kCPU, 2);
   const int64_t budget = baseline.peak / 2;
@@ -50,7 +39,7 @@ TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
 }
 
 TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
-  const TrainingSetup setup = setup_of("mlp");
+  const TrainingSetup setup = training_setup("mlp");
   const MemoryModel model = MemoryModel::profile(setup, 8, torch::kCPU);
   // Above the parameters, below parameters + gradients + fp32 state: only 8-bit or offloaded state can fit.
   const int64_t budget = model.parameter_bytes() * 3;
@@ -67,7 +56,7 @@ TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
 }
 
 TEST(Rescue, BadOptionsAreErrors) {
-  const TrainingSetup setup = setup_of("mlp");
+  const TrainingSetup setup = training_setup("mlp");
   EXPECT_THROW(rescue(setup, RescueOptions(0, 1 << 30)), c10::Error);
   EXPECT_THROW(rescue(setup, RescueOptions(8, 0)), c10::Error);
   EXPECT_THROW(rescue(setup, RescueOptions(8, 1 << 30).steps(1)), c10::Error);
@@ -78,12 +67,13 @@ TEST(Rescue, BadOptionsAreErrors) {
 
 TEST(Estimate, PredictsEveryCandidateOfTheChecklistFromOneProfile) {
   install_meter();
-  // The target (within 10%) holds on gpt-tiny and mlp; on fashion-cnn, whose activations are small beside constant
-  // terms (autocast's weight copies, gradients in flight), the largest error is 16%: bench/RESULTS-rescue.md.
+  // The target (within 10%) holds on gpt-tiny and mlp; on fashion-cnn, whose activations are small beside
+  // constant terms (autocast's weight copies, gradients in flight), the largest error is 16%:
+  // bench/RESULTS-rescue.md.
   for (const auto& [name, bound] :
        {std::make_pair("gpt-tiny", 0.10), std::make_pair("mlp", 0.10), std::make_pair("fashion-cnn", 0.20)}) {
     SCOPED_TRACE(name);
-    const TrainingSetup setup = setup_of(name);
+    const TrainingSetup setup = training_setup(name);
     const int64_t batch = 32;
     const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU);
     for (const Recipe& r : checklist(batch, model.elements(), torch::kCPU)) {

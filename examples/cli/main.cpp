@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
           if (done == total) std::cerr << "\r" << std::string(24, ' ') << "\r" << std::flush;
         });
       }
-      const memsave::RescuePlan plan = memsave::rescue(memsave::cli::zoo_setup(rescue_model), options);
+      const memsave::RescuePlan plan = memsave::rescue(memsave::zoo::training_setup(rescue_model), options);
       std::cout << (rescue_json ? memsave::cli::rescue_json(plan, options, rescue_model)
                                 : memsave::cli::format_rescue(plan, options, rescue_model))
                 << "\n";

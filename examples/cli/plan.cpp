@@ -61,19 +61,6 @@ int64_t elements_of(const std::string& model) {
 
 }  // namespace
 
-TrainingSetup zoo_setup(const std::string& model) {
-  const zoo::Workload w = zoo::workload(model);
-  TrainingSetup setup;
-  setup.make_model = w.make_model;
-  setup.make_batch = [w](int64_t rows, c10::Device device) {
-    const zoo::Batch b = w.make_batch(rows, device);
-    return std::make_pair(b.input, b.target);
-  };
-  setup.loss = w.loss;
-  setup.optimizer = adamw(1e-4);
-  return setup;
-}
-
 std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, const std::string& model) {
   std::ostringstream out;
   out << "memsave rescue: model " << model << ", batch " << options.batch() << ", budget "
@@ -150,7 +137,7 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
 }
 
 std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps) {
-  const TrainingSetup setup = zoo_setup(model);
+  const TrainingSetup setup = zoo::training_setup(model);
   const MemoryModel memory = MemoryModel::profile(setup, batch, device);
   std::vector<Estimate> rows;
   for (const Recipe& r : checklist(batch, memory.elements(), device)) {
@@ -220,7 +207,7 @@ std::vector<BenchRow> run_bench(const std::string& model, int64_t batch, const s
       chosen.push_back(*it);
     }
   }
-  const TrainingSetup setup = zoo_setup(model);
+  const TrainingSetup setup = zoo::training_setup(model);
   std::vector<BenchRow> rows;
   for (size_t i = 0; i < chosen.size(); ++i) {
     if (progress)
@@ -249,7 +236,7 @@ struct RuleRow {
 
 /// The rules of thumb users find in tutorials, beside what this run measured.
 std::vector<RuleRow> rules(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
-  const TrainingSetup setup = zoo_setup(model);
+  const TrainingSetup setup = zoo::training_setup(model);
   const MemoryModel memory = MemoryModel::profile(setup, batch, c10::kCPU);
   auto activations = [&](const BenchRow& r) {
     return static_cast<double>(r.measured.peak - memory.static_bytes(r.recipe));

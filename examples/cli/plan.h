@@ -11,9 +11,6 @@
 
 namespace memsave::cli {
 
-/// A zoo model as a TrainingSetup (AdamW, lr 1e-4).
-TrainingSetup zoo_setup(const std::string& model);
-
 std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, const std::string& model);
 std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, const std::string& model);
 

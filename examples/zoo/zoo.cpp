@@ -285,6 +285,19 @@ Workload workload(const std::string& name) {
   TORCH_CHECK(false, "unknown model '", name, "' (valid: ", join(workload_names()), ")");
 }
 
+TrainingSetup training_setup(const std::string& name) {
+  const Workload w = workload(name);
+  TrainingSetup setup;
+  setup.make_model = w.make_model;
+  setup.make_batch = [w](int64_t rows, c10::Device device) {
+    const Batch b = w.make_batch(rows, device);
+    return std::make_pair(b.input, b.target);
+  };
+  setup.loss = w.loss;
+  setup.optimizer = adamw(1e-4);
+  return setup;
+}
+
 int64_t parameter_count(const torch::nn::Module& module) {
   std::unordered_set<const void*> seen;
   int64_t count = 0;

@@ -3,6 +3,7 @@
 // or per half of a transformer block, a head), so sequential checkpointing can cut it anywhere between them.
 #pragma once
 
+#include <memsave/rescue.h>
 #include <torch/torch.h>
 
 #include <functional>
@@ -52,6 +53,9 @@ struct Workload {
 std::vector<std::string> workload_names();
 /// The workload called `name`; an unknown name is an error that lists the valid ones.
 Workload workload(const std::string& name);
+
+/// The workload called `name` as a memsave::TrainingSetup (AdamW, lr 1e-4), for the rescue and its tools.
+TrainingSetup training_setup(const std::string& name);
 
 /// Number of parameter elements (tied weights counted once).
 int64_t parameter_count(const torch::nn::Module& module);

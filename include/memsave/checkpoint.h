@@ -112,6 +112,10 @@ class CheckpointSequentialImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CheckpointSequential);
 
+/// `segments` contiguous pieces of near-equal length over `elements`, all but the last recomputed: the plan
+/// of checkpoint_sequential(sequential, segments).
+std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments);
+
 /// Cuts `sequential` into `segments` contiguous pieces of near-equal length. Every piece but the last is
 /// recomputed; the last is stored, since backward needs its activations at once (as torch.utils.checkpoint's
 /// checkpoint_sequential). `segments` equal to the number of elements recomputes every layer.

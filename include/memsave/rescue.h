@@ -89,7 +89,6 @@ class MemoryModel {
   Activations fp32_, amp_;
   int64_t step_extra_ = 0;  ///< the optimizer step's temporaries beyond its state
   int64_t moments_ = 2;     ///< fp32 state tensors per parameter of the setup's optimizer
-  c10::Device device_ = c10::kCPU;
 };
 
 struct RescueOptions {

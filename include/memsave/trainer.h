@@ -139,6 +139,7 @@ class Trainer {
 
  private:
   void apply(const torch::nn::Sequential& model);
+  void make_accumulator();
   torch::Tensor forward(const torch::Tensor& input);
 
   Recipe recipe_;
