@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <unordered_set>
 
 namespace memsave {
@@ -84,97 +85,131 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   MemoryModel model;
   model.batch_ = batch;
   model.rows_ = rows_;
-  const double rows = static_cast<double>(model.rows_);
 
   torch::manual_seed(0);
   torch::nn::Sequential net = setup.make_model();
   net->to(device);
   net->train();
+  std::vector<torch::Tensor> params;
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& p : net->parameters()) {
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    params.push_back(p);
     model.param_numel_.push_back(p.numel());
     model.param_bytes_ += bytes_of(p);
-    model.largest_param_ = std::max(model.largest_param_, bytes_of(p));
   }
   for (size_t i = 0; i < net->size(); ++i) {
-    int64_t bytes = 0;
-    for (const auto& p : net->ptr(i)->parameters()) bytes += bytes_of(p);
+    int64_t bytes = 0, largest = 0;
+    for (const auto& p : net->ptr(i)->parameters()) {
+      bytes += bytes_of(p);
+      largest = std::max(largest, bytes_of(p));
+    }
     model.element_params_.push_back(bytes);
+    model.element_largest_.push_back(largest);
   }
+  const size_t n = net->size();
   const auto [input, target] = setup.make_batch(model.rows_, device);
   model.batch_bytes_per_row_ = (bytes_of(input) + bytes_of(target)) / model.rows_;
   // Two sizes, to tell what grows with the rows from what does not (autocast's casted weights, say).
   const int64_t small_rows = std::max<int64_t>(1, model.rows_ / 2);
   const auto [small_input, small_target] = setup.make_batch(small_rows, device);
+  auto optimizer = setup.optimizer(net->parameters(), Recipe());
 
-  // Activations: the forward run element by element; what each leaves in the pool is what the graph keeps.
-  auto stored_by_element = [&](bool amp, const torch::Tensor& in, std::vector<double>* outputs) {
-    std::vector<double> stored;
-    std::optional<amp::Autocast> autocast;
-    if (amp) autocast.emplace(device.type(), c10::kBFloat16);
-    torch::Tensor x = in;
-    int64_t in_use = memory_stats(device).current;
-    for (size_t i = 0; i < net->size(); ++i) {
-      x = net->begin()[i].forward(x);
-      const int64_t now = memory_stats(device).current;
-      stored.push_back(static_cast<double>(now - in_use));
-      if (outputs) outputs->push_back(static_cast<double>(bytes_of(x)) / rows);
-      in_use = now;
-    }
-    return stored;
+  // One training pass run element by element. What each element's forward leaves in the pool is what the
+  // graph keeps of it; a hook on each element's output marks when its gradient is ready, i.e. when that
+  // element's backward begins, so each element's backward gets its own peak window. Gradients of the
+  // parameters are taken out of the windows (the model counts them whole).
+  struct Pass {
+    std::vector<double> stored, output, forward, backward;  // per element, bytes
+    double loss = 0;  // the loss's backward window: its own graph, the logits' gradient
   };
-  // y = fixed + per_row * rows through the two measurements.
+  auto grad_bytes = [&] {
+    int64_t bytes = 0;
+    for (const auto& p : params) bytes += bytes_of(p.grad());
+    return bytes;
+  };
+  auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false) {
+    if (!accumulate) optimizer->zero_grad();
+    Pass pass;
+    pass.stored.resize(n);
+    pass.output.resize(n);
+    pass.forward.resize(n);
+    pass.backward.resize(n);
+    const int64_t start = memory_stats(device).current, start_grads = grad_bytes();
+    std::vector<double> held(n + 1, 0);  // held[k]: what elements before k keep
+    torch::Tensor loss;
+    // The window of element k's backward (k == n: the loss's).
+    std::optional<PeakScope> window;
+    size_t open = n;
+    auto close = [&](size_t next) {
+      const double peak =
+          static_cast<double>(window->peak() - start - (grad_bytes() - start_grads)) - held[open];
+      (open == n ? pass.loss : pass.backward[open]) = peak;
+      window.reset();
+      open = next;
+      if (next != SIZE_MAX) window.emplace(device);
+    };
+    {
+      std::optional<amp::Autocast> autocast;
+      if (amp) autocast.emplace(device.type(), c10::kBFloat16);
+      torch::Tensor x = in;
+      int64_t in_use = start;
+      for (size_t i = 0; i < n; ++i) {
+        int64_t forward_peak = 0;
+        {
+          PeakScope scope(device);
+          x = net->begin()[i].forward(x);
+          forward_peak = scope.peak();
+        }
+        const int64_t now = memory_stats(device).current;
+        pass.forward[i] = static_cast<double>(forward_peak - now);
+        pass.stored[i] = static_cast<double>(now - in_use);
+        pass.output[i] = static_cast<double>(bytes_of(x));
+        held[i + 1] = held[i] + pass.stored[i];
+        in_use = now;
+        if (x.requires_grad()) x.register_hook([&, i](const torch::Tensor&) { close(i); });
+      }
+      loss = setup.loss(x, tgt);
+    }
+    window.emplace(device);
+    loss.backward();
+    close(SIZE_MAX);
+    return pass;
+  };
+  // y = fixed + per_row * rows through the two sizes.
+  const double rows = static_cast<double>(model.rows_);
   auto fit = [&](double at_rows, double at_small, double& per_row, double& fixed) {
     per_row = small_rows == model.rows_ ? at_rows / rows : (at_rows - at_small) / (rows - small_rows);
     fixed = at_rows - per_row * rows;
   };
-  for (bool amp : {false, true}) {
-    Activations& a = amp ? model.amp_ : model.fp32_;
-    const auto large = stored_by_element(amp, input, &a.output);
-    const auto small = stored_by_element(amp, small_input, nullptr);
-    a.stored.resize(large.size());
-    a.stored_fixed.resize(large.size());
-    for (size_t i = 0; i < large.size(); ++i) fit(large[i], small[i], a.stored[i], a.stored_fixed[i]);
-  }
 
-  // Measured steps after the step that creates the state, in fp32 and under autocast, at both sizes: the
-  // backward's extra (gradients in flight, the loss) and the optimizer step's temporaries.
-  auto optimizer = setup.optimizer(net->parameters(), Recipe());
-  auto step_extra = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool record_step) {
-    optimizer->zero_grad();
-    const int64_t start = memory_stats(device).current;
-    PeakScope pass(device);
-    {
-      std::optional<amp::Autocast> autocast;
-      if (amp) autocast.emplace(device.type(), c10::kBFloat16);
-      torch::Tensor loss = setup.loss(net->forward(in), tgt);
-      autocast.reset();
-      loss.backward();
-    }
-    const int64_t backward_peak = pass.peak() - start;
-    PeakScope step(device);
-    const int64_t before_step = memory_stats(device).current;
-    optimizer->step();
-    if (record_step) model.step_extra_ = std::max<int64_t>(0, step.peak() - before_step);
-    return static_cast<double>(backward_peak - model.param_bytes_);
-  };
-  step_extra(false, input, target, false);  // creates the state
+  run_pass(false, input, target);
+  optimizer->step();  // creates the state
   for (bool amp : {false, true}) {
     Activations& a = amp ? model.amp_ : model.fp32_;
-    double large_stored = 0, small_stored = 0;
-    for (size_t i = 0; i < a.stored.size(); ++i) {
-      large_stored += a.stored_fixed[i] + a.stored[i] * rows;
-      small_stored += a.stored_fixed[i] + a.stored[i] * static_cast<double>(small_rows);
+    const Pass large = run_pass(amp, input, target);
+    const Pass small = run_pass(amp, small_input, small_target);
+    // Once more onto the gradients it left: what a later micro-batch's gradients add while they arrive.
+    const Pass accumulated = run_pass(amp, small_input, small_target, /*accumulate=*/true);
+    for (auto* v : {&a.stored, &a.stored_fixed, &a.output, &a.forward, &a.forward_fixed, &a.backward,
+                    &a.backward_fixed, &a.incoming})
+      v->resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      fit(large.stored[i], small.stored[i], a.stored[i], a.stored_fixed[i]);
+      fit(large.forward[i], small.forward[i], a.forward[i], a.forward_fixed[i]);
+      fit(large.backward[i], small.backward[i], a.backward[i], a.backward_fixed[i]);
+      a.output[i] = large.output[i] / rows;
+      a.incoming[i] = std::max(0.0, accumulated.backward[i] - small.backward[i]);
     }
-    const double large = step_extra(amp, input, target, !amp) - large_stored;
-    const double small = step_extra(amp, small_input, small_target, false) - small_stored;
-    // NOTE: the backward's extra is taken as proportional to the rows (from the whole batch): fitted through
-    // two sizes it extrapolates worse to small micro-batches on the zoo's models.
-    (void)small;
-    a.backward_extra_per_row = large / rows;
-    a.backward_extra_fixed = 0;
+    fit(large.loss, small.loss, a.loss, a.loss_fixed);
   }
+  {  // the optimizer step's temporaries beyond its state
+    const int64_t before_step = memory_stats(device).current;
+    PeakScope step(device);
+    optimizer->step();
+    model.step_extra_ = std::max<int64_t>(0, step.peak() - before_step);
+  }
+  optimizer->zero_grad();
   int64_t state = 0;
   for (const auto& t : optimizer_state_tensors(*optimizer)) state += bytes_of(t);
   model.moments_ = static_cast<int64_t>(std::llround(static_cast<double>(state) / model.param_bytes_));
@@ -199,50 +234,57 @@ int64_t MemoryModel::static_bytes(const Recipe& recipe) const {
   return 2 * param_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_;
 }
 
-double MemoryModel::activation_peak(const Activations& a, const Recipe& recipe, double rows) const {
+double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double rows,
+                              bool accumulating) const {
   const auto plan = pieces(
       recipe.checkpoint().kind == Checkpointing::Kind::kPolicy ? Checkpointing::none() : recipe.checkpoint(),
       a.stored.size());
-  double stored_before = 0, peak = 0;
+  auto stored = [&](size_t i) { return a.stored_fixed[i] + a.stored[i] * rows; };
+  auto backward = [&](size_t i) { return a.backward_fixed[i] + a.backward[i] * rows; };
+  // Parameter gradients present while element i's backward runs. The first micro-batch of a window: those
+  // of the elements from i on. Later ones: all of them, and beside them the gradient arriving to be added:
+  // the element's largest parameter's (under autocast with its bf16 form), or a recomputed piece's
+  // gradients, which it hands back together.
+  const size_t n = a.stored.size();
+  std::vector<double> grads(n + 1, 0);
+  for (size_t i = n; i-- > 0;) grads[i] = grads[i + 1] + static_cast<double>(element_params_[i]);
+  auto grads_in = [&](size_t i, const nn::CheckpointSequentialImpl::Segment& piece) {
+    if (!accumulating) return grads[i];
+    double incoming = a.incoming[i];
+    if (piece.recompute) incoming = std::max(incoming, grads[piece.begin] - grads[piece.end]);
+    return static_cast<double>(param_bytes_) + incoming;
+  };
+  // The backward walks the pieces from the last to the first; while it is in element i of a piece, the
+  // pieces before keep what the forward left (a recomputed piece only its input), the piece keeps the
+  // graph of its elements before i (recomputed or kept), and element i's backward adds its window.
+  auto forward = [&](size_t i) { return a.forward_fixed[i] + a.forward[i] * rows; };
+  double kept_before = 0, peak = 0;
   for (const auto& piece : plan) {
+    // A recomputed piece runs its forward again in the backward, while the gradient of its output (the
+    // seed) is held; the seed and the recomputed output stay until the piece's backward ends.
+    const double seed = piece.recompute ? a.output[piece.end - 1] * rows : 0.0;
     double inside = 0;
-    for (size_t i = piece.begin; i < piece.end; ++i) inside += a.stored_fixed[i] + a.stored[i] * rows;
-    if (!piece.recompute) {
-      stored_before += inside;
-      peak = std::max(peak, stored_before);
-      continue;
+    for (size_t i = piece.begin; i < piece.end; ++i) {
+      peak = std::max(peak, kept_before + seed + inside + stored(i) + forward(i));
+      const double held_output = i + 1 < piece.end ? 2 * seed : seed;
+      peak = std::max(peak, kept_before + held_output + inside + backward(i) + grads_in(i, piece));
+      inside += stored(i);
     }
-    const double input = piece.begin == 0 ? 0 : a.output[piece.begin - 1] * rows;
-    peak = std::max(peak, stored_before + input + inside);  // while backward recomputes this piece
-    stored_before += input;
+    kept_before += piece.recompute ? (piece.begin == 0 ? 0 : a.output[piece.begin - 1] * rows) : inside;
   }
-  return std::max(peak, stored_before);
+  const double loss_grads = accumulating ? static_cast<double>(param_bytes_) : 0.0;
+  return std::max(peak, kept_before + a.loss_fixed + a.loss * rows + loss_grads);
 }
 
 int64_t MemoryModel::predict(const Recipe& recipe) const {
   const int64_t rows = recipe.micro_batch() == 0 ? batch_ : std::min(recipe.micro_batch(), batch_);
   const Activations& a = recipe.amp() ? amp_ : fp32_;
-  const double activations = activation_peak(a, recipe, static_cast<double>(rows));
-  // A recomputed piece hands back its parameters' gradients at once; they are held beside the accumulated
-  // ones when the gradients already exist (accumulation), and taken over as .grad otherwise.
-  double checkpoint_grads = 0;
-  if (recipe.checkpoint().kind != Checkpointing::Kind::kNone && rows < batch_) {
-    for (const auto& piece : pieces(recipe.checkpoint(), element_params_.size())) {
-      double bytes = 0;
-      for (size_t i = piece.begin; i < piece.end; ++i) bytes += static_cast<double>(element_params_[i]);
-      if (piece.recompute) checkpoint_grads = std::max(checkpoint_grads, bytes);
-    }
-  }
-  const double fixed = static_cast<double>(static_bytes(recipe));
-  // With accumulation the gradients exist when a micro-batch's arrive: the largest parameter's incoming
-  // gradient (and under autocast its bf16 form) is held beside it for a moment.
-  const double incoming =
-      rows < batch_ ? static_cast<double>(largest_param_) * (recipe.amp() ? 1.5 : 1.0) : 0.0;
-  // (A recomputed piece's gradients arrive the same way: the larger of the two moments counts.)
-  const double pass = fixed + activations + std::max(incoming, checkpoint_grads) + a.backward_extra_fixed +
-                      a.backward_extra_per_row * static_cast<double>(rows);
+  const double held =
+      static_cast<double>(param_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_);
+  const double pass = held + pass_peak(a, recipe, static_cast<double>(rows), rows < batch_);
   const bool own_kernels = recipe.state_bits() == 8 || recipe.offload() == Offload::kOptimizerState;
-  const double step = fixed + (own_kernels ? 0 : static_cast<double>(step_extra_));
+  const double step =
+      static_cast<double>(static_bytes(recipe)) + (own_kernels ? 0 : static_cast<double>(step_extra_));
   return static_cast<int64_t>(std::llround(std::max(pass, step)));
 }
 

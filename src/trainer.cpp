@@ -252,9 +252,10 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
     accumulator_->begin_window(total);
     for (size_t i = 0; i < parts.size(); ++i) {
       if (items[i] == 0) continue;  // nothing in it counts: skip its forward altogether
-      const torch::Tensor output = forward(parts[i][0]);
       torch::Tensor value;
-      {
+      {  // NOTE: the output is not held through the backward (the loss's graph keeps what it needs of it):
+         // a decoder's logits can be the largest tensor of the step.
+        const torch::Tensor output = forward(parts[i][0]);
         std::optional<amp::Autocast> autocast;
         if (recipe_.amp()) autocast.emplace(device_.type(), *recipe_.amp());
         value = loss(output, parts[i][1]);

@@ -67,11 +67,10 @@ TEST(Rescue, BadOptionsAreErrors) {
 
 TEST(Estimate, PredictsEveryCandidateOfTheChecklistFromOneProfile) {
   install_meter();
-  // The target (within 10%) holds on gpt-tiny and mlp; on fashion-cnn, whose activations are small beside
-  // constant terms (autocast's weight copies, gradients in flight), the largest error is 16%:
-  // bench/RESULTS-rescue.md.
-  for (const auto& [name, bound] :
-       {std::make_pair("gpt-tiny", 0.10), std::make_pair("mlp", 0.10), std::make_pair("fashion-cnn", 0.20)}) {
+  // Issue 8's target: within 10% of the measured peak for every candidate. Without checkpointing the
+  // profile's passes are the step's own, element by element, so the prediction is exact but for rounding;
+  // a checkpointed plan is simulated from them (bench/RESULTS-rescue.md: at most 5.4% on the zoo).
+  for (const char* name : {"gpt-tiny", "mlp", "fashion-cnn"}) {
     SCOPED_TRACE(name);
     const TrainingSetup setup = training_setup(name);
     const int64_t batch = 32;
@@ -81,7 +80,9 @@ TEST(Estimate, PredictsEveryCandidateOfTheChecklistFromOneProfile) {
       const int64_t measured = measure(setup, r, batch, torch::kCPU, 2).peak;
       const double error =
           std::abs(static_cast<double>(model.predict(r) - measured)) / static_cast<double>(measured);
-      EXPECT_LE(error, bound) << r.label() << ": predicted " << model.predict(r) << ", measured " << measured;
+      const bool checkpointed = r.checkpoint().kind != Checkpointing::Kind::kNone;
+      EXPECT_LE(error, checkpointed ? 0.10 : 0.01)
+          << r.label() << ": predicted " << model.predict(r) << ", measured " << measured;
     }
   }
 }

@@ -66,25 +66,31 @@ class MemoryModel {
   size_t elements() const { return fp32_.stored.size(); }
 
  private:
+  /// Bytes as fixed + per_row * rows, fitted per element through the profile's two sizes.
   struct Activations {
-    std::vector<double> stored;        ///< per element: bytes its forward leaves behind, per row
-    std::vector<double> stored_fixed;  ///< per element: bytes it leaves behind whatever the rows
-    std::vector<double> output;        ///< per element: bytes of its output, per row
-    /// a step's measured peak beyond static bytes and stored activations: per row, and fixed
-    double backward_extra_per_row = 0;
-    double backward_extra_fixed = 0;
+    std::vector<double> stored, stored_fixed;    ///< what an element's forward leaves behind
+    std::vector<double> output;                  ///< its output, per row
+    std::vector<double> forward, forward_fixed;  ///< its forward's peak beyond what it leaves behind
+    /// the peak of an element's backward beyond what the elements before it keep (its own graph, the
+    /// gradient arriving, the one it hands on, temporaries; parameter gradients are counted apart)
+    std::vector<double> backward, backward_fixed;
+    /// with the gradients already there (a later micro-batch): what an element's backward adds beside them
+    std::vector<double> incoming;
+    double loss = 0, loss_fixed = 0;  ///< the same for the loss's backward, beyond every element's graph
   };
   static MemoryModel profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows,
                                   c10::Device device);
   int64_t optimizer_state(const Recipe& recipe) const;
-  double activation_peak(const Activations& a, const Recipe& recipe, double rows) const;
+  /// The peak of a forward and backward pass beyond parameters, optimizer state and batch: activations
+  /// and parameter gradients, as the backward walks the checkpoint plan.
+  double pass_peak(const Activations& a, const Recipe& recipe, double rows, bool accumulating) const;
 
   int64_t batch_ = 0;
   int64_t rows_ = 0;  ///< rows of the profile
   std::vector<int64_t> param_numel_;
-  std::vector<int64_t> element_params_;  ///< bytes of the parameters registered in each element
+  std::vector<int64_t> element_params_;   ///< bytes of the parameters registered in each element
+  std::vector<int64_t> element_largest_;  ///< bytes of the largest of them
   int64_t param_bytes_ = 0;
-  int64_t largest_param_ = 0;
   int64_t batch_bytes_per_row_ = 0;
   Activations fp32_, amp_;
   int64_t step_extra_ = 0;  ///< the optimizer step's temporaries beyond its state
