@@ -1,6 +1,7 @@
 #include "memsave/accumulate.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/utils/clip_grad.h>
 
 #include <cmath>
@@ -83,7 +84,12 @@ WindowStep GradientAccumulator::step() {
       torch::NoGradGuard no_grad;
       for (auto& p : parameters) p.mutable_grad().mul_(correction);
     }
-    if (options_.max_grad_norm() > 0) torch::nn::utils::clip_grad_norm_(parameters, options_.max_grad_norm());
+    if (options_.max_grad_norm() > 0) {
+      torch::nn::utils::clip_grad_norm_(parameters, options_.max_grad_norm());
+      // NOTE: LibTorch clips through .data(), which the gradients' version counters do not see; an
+      // OffloadOptimizer that copied them during the backward tells a changed gradient by its version.
+      for (auto& p : parameters) torch::autograd::impl::bump_version(p.grad());
+    }
     if (scaler_) {
       result.stepped = scaler_->step(optimizer_);
       scaler_->update();

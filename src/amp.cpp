@@ -7,6 +7,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <atomic>
@@ -120,6 +121,9 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
     const torch::Device device = grads.front().device();
     torch::Tensor found_here = torch::zeros({}, torch::TensorOptions().device(device).dtype(torch::kFloat));
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, inv_scale.to(device));
+    // NOTE: this kernel does not count as a write in the gradients' version counters; it is one, and an
+    // OffloadOptimizer that copied them during the backward tells a changed gradient by its version.
+    for (const torch::Tensor& g : grads) torch::autograd::impl::bump_version(g);
     found_inf.add_(found_here.to(found_inf.device()));
   }
   state.found_inf = found_inf;

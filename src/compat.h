@@ -3,9 +3,11 @@
 
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/version.h>
 
 #include <cstring>
+#include <utility>
 
 #define MEMSAVE_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -64,5 +66,9 @@ inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
                       : at::autocast::set_autocast_gpu_dtype(dtype);
 #endif
 }
+
+/// A reference that keeps an autograd node alive: std::shared_ptr<Node> before 2.12 (about), then
+/// c10::intrusive_ptr<Node>; both have `->`.
+using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 }  // namespace memsave::compat

@@ -1,18 +1,29 @@
 #include "memsave/offload.h"
 
 #include "archive.h"
+#include "compat.h"
+#ifdef MEMSAVE_WITH_CUDA
+#include "offload_internal.h"
+#endif
 
 #include <c10/util/Exception.h>
+#include <c10/util/intrusive_ptr.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <limits>
+#include <mutex>
+#include <optional>
 #include <unordered_set>
+#include <utility>
 
 namespace memsave {
 namespace {
 
 using detail::read_betas;
+using detail::read_bool;
 using detail::read_double;
 using detail::read_int;
 using detail::write_betas;
@@ -47,6 +58,91 @@ torch::optim::AdamWOptions device_options(const OffloadOptimizerOptions& o) {
 
 }  // namespace
 
+/// What the gradient hooks share with the optimizer. A hook outlives neither the state (it holds it) nor the
+/// optimizer's interest: the destructor removes the hooks and `owner_alive` turns any in flight into no-ops.
+struct OffloadOptimizer::BackwardCopies {
+  struct Slot {
+    torch::Tensor param;
+    torch::Tensor host;  ///< the host arena buffer (OffloadOptimizer::Offloaded::grad)
+    /// The gradient the host buffer holds a copy of (weakly: a gradient set to none is freed), and its
+    /// version then.
+    std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> copied;
+    uint32_t version = 0;
+    compat::NodeRef accumulator;
+    uintptr_t hook_key = 0;
+  };
+  std::vector<Slot> slots;
+  std::mutex mutex;  ///< a CUDA backward runs hooks on the device's thread
+  bool deferred = false;
+  bool owner_alive = true;
+  int64_t made = 0;                        ///< copies since the last step
+  std::optional<c10::Stream> side_stream;  ///< CUDA: where the copies run
+
+  /// Copies slot `i`'s gradient to the host, if there is one to copy now.
+  void copy(size_t i) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!owner_alive || deferred) return;
+    Slot& s = slots[i];
+    const torch::Tensor& g = s.param.grad();
+    if (!g.defined() || g.is_sparse() || g.sizes() != s.param.sizes()) return;  // the step says why
+    if (g.is_cuda()) {
+#ifdef MEMSAVE_WITH_CUDA
+      if (!side_stream) side_stream = detail::side_stream(g.device());
+      detail::copy_on_side_stream(*side_stream, s.host, g);
+#else
+      return;  // a LibTorch with CUDA but memsave without: the step copies
+#endif
+    } else {
+      torch::NoGradGuard no_grad;
+      s.host.copy_(g);
+    }
+    record(i, g);
+    ++made;
+  }
+
+  /// Notes that slot `i`'s host buffer now holds `g` as it is.
+  void record(size_t i, const torch::Tensor& g) {
+    slots[i].copied.emplace(g.getIntrusivePtr());
+    slots[i].version = g._version();
+  }
+
+  /// Waits for the copies queued on the side stream.
+  void wait() {
+#ifdef MEMSAVE_WITH_CUDA
+    if (side_stream) detail::synchronize_stream(*side_stream);
+#endif
+  }
+
+  /// Whether the host buffer of slot `i` holds the gradient as it is now.
+  bool fresh(size_t i) const {
+    const Slot& s = slots[i];
+    const torch::Tensor& g = s.param.grad();
+    if (!s.copied || !g.defined()) return false;
+    const auto copied = s.copied->lock();
+    return copied.get() == g.unsafeGetTensorImpl() && s.version == g._version();
+  }
+};
+
+namespace {
+
+/// Runs after the backward has accumulated a parameter's gradient.
+class CopyWhenAccumulated : public torch::autograd::FunctionPostHook {
+ public:
+  CopyWhenAccumulated(std::shared_ptr<OffloadOptimizer::BackwardCopies> copies, size_t slot)
+      : copies_(std::move(copies)), slot_(slot) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    copies_->copy(slot_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<OffloadOptimizer::BackwardCopies> copies_;
+  size_t slot_;
+};
+
+}  // namespace
+
 void OffloadOptimizerOptions::serialize(torch::serialize::OutputArchive& archive) const {
   archive.write("lr", lr());
   write_betas(archive, betas());
@@ -54,18 +150,21 @@ void OffloadOptimizerOptions::serialize(torch::serialize::OutputArchive& archive
   archive.write("weight_decay", weight_decay());
   archive.write("state_bits", state_bits());
   archive.write("min_offload_size", min_offload_size());
+  archive.write("copy_during_backward", copy_during_backward());
 }
 
 void OffloadOptimizerOptions::serialize(torch::serialize::InputArchive& archive) {
   lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
   weight_decay(read_double(archive, "weight_decay")).state_bits(read_int(archive, "state_bits"));
   min_offload_size(read_int(archive, "min_offload_size"));
+  c10::IValue copy;
+  if (archive.try_read("copy_during_backward", copy)) copy_during_backward(copy.toBool());
 }
 
 bool operator==(const OffloadOptimizerOptions& a, const OffloadOptimizerOptions& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
          a.weight_decay() == b.weight_decay() && a.state_bits() == b.state_bits() &&
-         a.min_offload_size() == b.min_offload_size();
+         a.min_offload_size() == b.min_offload_size() && a.copy_during_backward() == b.copy_during_backward();
 }
 
 OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options)
@@ -102,6 +201,34 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
   }
   if (!masters.empty()) host_ = std::make_unique<optim::AdamW8bit>(masters, host_options(options));
   if (!small.empty()) device_ = std::make_unique<torch::optim::AdamW>(small, device_options(options));
+  if (options.copy_during_backward() && !offloaded_.empty()) {
+    // NOTE: the optimizer holds each parameter's gradient accumulator, so every later graph uses the same
+    // node and its hook (a parameter keeps only a weak reference to it).
+    copies_ = std::make_shared<BackwardCopies>();
+    copies_->slots.resize(offloaded_.size());
+    for (size_t i = 0; i < offloaded_.size(); ++i) {
+      BackwardCopies::Slot& slot = copies_->slots[i];
+      slot.param = offloaded_[i].param;
+      slot.host = offloaded_[i].grad;
+      if (!slot.param.requires_grad()) continue;  // no backward will reach it
+      slot.accumulator = torch::autograd::impl::grad_accumulator(slot.param);
+      slot.hook_key = slot.accumulator->add_post_hook(std::make_unique<CopyWhenAccumulated>(copies_, i));
+    }
+  }
+}
+
+OffloadOptimizer::~OffloadOptimizer() {
+  if (!copies_) return;
+  std::lock_guard<std::mutex> lock(copies_->mutex);
+  copies_->owner_alive = false;
+  for (BackwardCopies::Slot& slot : copies_->slots)
+    if (slot.accumulator) slot.accumulator->del_post_hook(slot.hook_key);
+}
+
+void OffloadOptimizer::defer_gradient_copies(bool defer) {
+  if (!copies_) return;
+  std::lock_guard<std::mutex> lock(copies_->mutex);
+  copies_->deferred = defer;
 }
 
 const OffloadOptimizerOptions& OffloadOptimizer::options() const {
@@ -135,17 +262,29 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
     TORCH_CHECK(!g.defined() || g.sizes() == o.param.sizes(), "OffloadOptimizer: a gradient of shape ",
                 g.sizes(), " for a parameter of shape ", o.param.sizes());
   }
+  //    A gradient copied during the backward and unchanged since is not copied again.
   bool on_cuda = false;
-  for (Offloaded& o : offloaded_) {
+  last_copies_ = {};
+  if (copies_) {
+    copies_->wait();  // before a copy below can write a buffer the side stream writes
+    last_copies_.during_backward = std::exchange(copies_->made, 0);
+  }
+  for (size_t i = 0; i < offloaded_.size(); ++i) {
+    Offloaded& o = offloaded_[i];
     const torch::Tensor& g = o.param.grad();
     if (!g.defined()) {
       o.master.mutable_grad() = torch::Tensor();  // no gradient: the master is not stepped
       continue;
     }
-    o.grad.copy_(g, /*non_blocking=*/g.is_cuda());
+    if (!copies_ || !copies_->fresh(i)) {
+      o.grad.copy_(g, /*non_blocking=*/g.is_cuda());
+      if (copies_) copies_->record(i, g);
+      ++last_copies_.at_step;
+    }
     o.master.mutable_grad() = o.grad;
     on_cuda = on_cuda || g.is_cuda();
   }
+  // The whole device: the copies on the side stream, those above, and the last step's parameter copies.
   if (on_cuda) torch::cuda::synchronize(offloaded_.front().param.device().index());
 
   // 2. The CPU step on the masters; its state is created in the host arena.

@@ -154,6 +154,37 @@ TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
   }
 }
 
+TEST(CudaOffload, GradientsCopiedOnTheSideStreamDuringTheBackwardGiveTheSameStep) {
+  SKIP_WITHOUT_CUDA();
+  // The copies made on the side stream while the backward runs must be what the step would have copied:
+  // two CUDA models, one stepped from those copies and one from copies made at the step, stay bit-identical.
+  auto make = [] {
+    torch::manual_seed(1);
+    auto net =
+        torch::nn::Sequential(torch::nn::Linear(512, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 10));
+    net->to(kCuda);
+    return net;
+  };
+  auto during = make(), at_step = make();
+  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  torch::manual_seed(2);
+  for (int step = 0; step < 5; ++step) {
+    const auto x = torch::randn({64, 512}, kCuda),
+               y = torch::randint(10, {64}, torch::TensorOptions(kCuda).dtype(torch::kLong));
+    for (auto* opt : {&a, &b}) {
+      auto& net = opt == &a ? during : at_step;
+      opt->zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      opt->step();
+    }
+    EXPECT_EQ(a.last_step_copies().during_backward, 4);
+    EXPECT_EQ(a.last_step_copies().at_step, 0);
+  }
+  for (size_t i = 0; i < during->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(during->parameters()[i], at_step->parameters()[i])) << i;
+}
+
 TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {
   SKIP_WITHOUT_CUDA();
   auto make = [] {

@@ -43,14 +43,17 @@ void expect_same_parameters(tnn::Sequential& a, tnn::Sequential& b) {
 }
 
 TEST(Offload, StepIsBitIdenticalToTheSameKernelOnTheDevice) {
-  for (int64_t bits : {32, 8}) {
-    SCOPED_TRACE(bits);
+  for (const auto& [bits, during_backward] :
+       {std::pair(32, false), std::pair(8, false), std::pair(32, true), std::pair(8, true)}) {
+    SCOPED_TRACE(std::to_string(bits) + (during_backward ? " bits, copies during the backward" : " bits"));
     auto on_device = model(), offloaded = model();
     // The on-device reference: the same fused kernel (AdamW8bit; fp32 state when nothing is quantized).
     optim::AdamW8bit reference(
         on_device->parameters(),
         optim::AdamW8bitOptions(1e-3).min_8bit_size(bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
-    OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
+    OffloadOptimizer opt(
+        offloaded->parameters(),
+        OffloadOptimizerOptions(1e-3).state_bits(bits).copy_during_backward(during_backward));
     train(on_device, reference, 50);
     train(offloaded, opt, 50);
     expect_same_parameters(on_device, offloaded);
@@ -131,9 +134,100 @@ TEST(Offload, AccumulationMatchesTheFullBatch) {
   }
 }
 
+TEST(Offload, GradientsGoToTheHostDuringTheBackwardAndOnlyChangedOnesAgainAtTheStep) {
+  auto during = model(), at_step = model();
+  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  const auto n = static_cast<int64_t>(during->parameters().size());
+  torch::manual_seed(6);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  for (auto* pair : {&a, &b}) {
+    auto& net = pair == &a ? during : at_step;
+    pair->zero_grad();
+    F::cross_entropy(net->forward(x), y).backward();
+    // Changed after the backward copied it: the step must see the new value.
+    torch::NoGradGuard no_grad;
+    net->parameters()[2].mutable_grad().mul_(0.5);
+    pair->step();
+  }
+  EXPECT_EQ(a.last_step_copies().during_backward, n);
+  EXPECT_EQ(a.last_step_copies().at_step, 1);  // the one changed since
+  EXPECT_EQ(b.last_step_copies().during_backward, 0);
+  EXPECT_EQ(b.last_step_copies().at_step, n);
+  expect_same_parameters(during, at_step);
+  // A gradient replaced by another tensor is copied again too, and one set to none is not stepped.
+  during->parameters()[0].mutable_grad() = during->parameters()[0].grad().clone();
+  during->parameters()[1].mutable_grad() = torch::Tensor();
+  a.step();
+  EXPECT_EQ(a.last_step_copies().during_backward, 0);
+  EXPECT_EQ(a.last_step_copies().at_step, 1);
+}
+
+TEST(Offload, TheScalersUnscaleIsSeenByTheCopiesMadeDuringTheBackward) {
+  auto during = model(), at_step = model();
+  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  for (auto* opt : {&a, &b}) {
+    auto& net = opt == &a ? during : at_step;
+    amp::GradScaler scaler;
+    GradientAccumulator acc(*opt, AccumulateOptions(), &scaler);
+    torch::manual_seed(9);
+    for (int s = 0; s < 3; ++s) {
+      const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+      EXPECT_TRUE(acc.backward(F::cross_entropy(net->forward(x), y), 32)->stepped);
+    }
+  }
+  // unscale_ rewrote every gradient after its copy: all were copied again, and the steps agree.
+  EXPECT_EQ(a.last_step_copies().at_step, static_cast<int64_t>(during->parameters().size()));
+  expect_same_parameters(during, at_step);
+}
+
+TEST(Offload, TheTrainerCopiesGradientsOncePerWindow) {
+  for (int64_t micro : {0, 8}) {
+    SCOPED_TRACE(micro);
+    auto net = model(), reference = model();
+    Trainer trainer(net, adamw(1e-3, 0.0), Recipe().offload(Offload::kOptimizerState).micro_batch(micro));
+    auto* opt = dynamic_cast<OffloadOptimizer*>(&trainer.optimizer());
+    ASSERT_NE(opt, nullptr);
+    OffloadOptimizer plain(reference->parameters(), OffloadOptimizerOptions(1e-3).weight_decay(0.0));
+    GradientAccumulator acc(plain, AccumulateOptions().window(micro ? 4 : 1));
+    const auto n = static_cast<int64_t>(net->parameters().size());
+    auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+      return F::cross_entropy(out, target);
+    };
+    torch::manual_seed(7);
+    for (int s = 0; s < 3; ++s) {
+      const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+      trainer.step(x, y, ce);
+      // Four micro-batches, one copy of each gradient: during the last backward, none at the step.
+      EXPECT_EQ(opt->last_step_copies().during_backward, n);
+      EXPECT_EQ(opt->last_step_copies().at_step, 0);
+      for (const auto& part : split_micro_batches({x, y}, micro ? micro : 32))
+        acc.backward(F::cross_entropy(reference->forward(part[0]), part[1]),
+                     static_cast<double>(part[0].size(0)));
+    }
+    expect_same_parameters(net, reference);
+  }
+}
+
+TEST(Offload, AnOptimizerGoneLeavesNoHookBehind) {
+  auto net = model();
+  torch::manual_seed(8);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  { OffloadOptimizer gone(net->parameters(), OffloadOptimizerOptions().copy_during_backward(true)); }
+  F::cross_entropy(net->forward(x), y).backward();  // the destroyed optimizer's hooks are not called
+  OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions().copy_during_backward(true));
+  for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+  F::cross_entropy(net->forward(x), y).backward();
+  opt.step();
+  EXPECT_EQ(opt.last_step_copies().during_backward, static_cast<int64_t>(net->parameters().size()));
+  EXPECT_EQ(opt.last_step_copies().at_step, 0);
+}
+
 TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {
   auto net = model();
-  OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8));
+  OffloadOptimizer opt(net->parameters(),
+                       OffloadOptimizerOptions(1e-3).state_bits(8).copy_during_backward(true));
   amp::GradScaler scaler;
   GradientAccumulator acc(opt, AccumulateOptions(), &scaler);
   torch::manual_seed(4);
@@ -157,21 +251,25 @@ TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {
 }
 
 TEST(Offload, ClippingSeesTheTrueGradients) {
-  auto on_device = model(), offloaded = model();
-  optim::AdamW8bit reference(on_device->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(
-                                                          std::numeric_limits<int64_t>::max()));
-  OffloadOptimizer opt(offloaded->parameters(), OffloadOptimizerOptions(1e-3));
-  auto clipped_training = [](tnn::Sequential& net, torch::optim::Optimizer& optimizer) {
-    GradientAccumulator acc(optimizer, AccumulateOptions().max_grad_norm(0.05));
-    torch::manual_seed(5);
-    for (int s = 0; s < 5; ++s) {
-      const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
-      acc.backward(F::cross_entropy(net->forward(x), y), 32);
-    }
-  };
-  clipped_training(on_device, reference);
-  clipped_training(offloaded, opt);
-  expect_same_parameters(on_device, offloaded);
+  for (bool during_backward : {false, true}) {
+    SCOPED_TRACE(during_backward);
+    auto on_device = model(), offloaded = model();
+    optim::AdamW8bit reference(on_device->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(
+                                                            std::numeric_limits<int64_t>::max()));
+    OffloadOptimizer opt(offloaded->parameters(),
+                         OffloadOptimizerOptions(1e-3).copy_during_backward(during_backward));
+    auto clipped_training = [](tnn::Sequential& net, torch::optim::Optimizer& optimizer) {
+      GradientAccumulator acc(optimizer, AccumulateOptions().max_grad_norm(0.05));
+      torch::manual_seed(5);
+      for (int s = 0; s < 5; ++s) {
+        const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+        acc.backward(F::cross_entropy(net->forward(x), y), 32);
+      }
+    };
+    clipped_training(on_device, reference);
+    clipped_training(offloaded, opt);
+    expect_same_parameters(on_device, offloaded);
+  }
 }
 
 TEST(Offload, SaveAndLoadResumeExactly) {

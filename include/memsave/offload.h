@@ -6,10 +6,16 @@
 //   ... loss.backward(); opt.step();          // gradients → host, CPU step, parameters → device
 //
 // It is a torch::optim::Optimizer over the device parameters, so a GradScaler (unscale_, the inf check, the
-// skipped step), gradient clipping and accumulation (gradients accumulate on the device and are copied once,
-// at the step) work unchanged. On a machine without a GPU the "device" is the CPU device pool, and the state
-// in the host arena is what a GPU would not have to hold: the meter shows the saving ("CPU, simulated
-// device").
+// skipped step), gradient clipping and accumulation (gradients accumulate on the device) work unchanged.
+// With `copy_during_backward`, each gradient is copied to the host as soon as the backward has accumulated
+// it (a post-hook on the parameter's gradient accumulator; on CUDA on a side stream, so the copies overlap
+// the rest of the backward), and the step copies again only what changed since (a gradient replaced, or
+// modified in place: unscaled, accumulated by a later micro-batch). Under accumulation,
+// `defer_gradient_copies(true)` skips the copies of the micro-batches before the last (the Trainer does it):
+// the gradients are copied once per window.
+//
+// On a machine without a GPU the "device" is the CPU device pool, and the state in the host arena is what a
+// GPU would not have to hold: the meter shows the saving ("CPU, simulated device").
 #pragma once
 
 #include <memsave/memory.h>
@@ -38,6 +44,12 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   TORCH_ARG(int64_t, state_bits) = 32;
   /// Tensors with fewer elements stay on the device with an on-device AdamW (0: offload everything).
   TORCH_ARG(int64_t, min_offload_size) = 0;
+  /// Copy each gradient to the host during the backward, as soon as it is accumulated (false: at the step).
+  /// The step copies again a gradient that was replaced or changed in place since, but it cannot see a
+  /// change written through `.data()`, as LibTorch's `clip_grad_norm_` and `clip_grad_value_` write: with
+  /// them between the backward and the step, leave this off (memsave's Trainer and GradientAccumulator,
+  /// which clip visibly, turn it on).
+  TORCH_ARG(bool, copy_during_backward) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -50,6 +62,7 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
 class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
  public:
   explicit OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options = {});
+  ~OffloadOptimizer() override;
   /// NOTE: copying would duplicate or alias the host state; move the optimizer or hold it by pointer.
   OffloadOptimizer(const OffloadOptimizer&) = delete;
   OffloadOptimizer& operator=(const OffloadOptimizer&) = delete;
@@ -69,6 +82,19 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   std::vector<torch::Tensor> host_state_tensors() const;
   /// Whether `param`'s state lives in host memory.
   bool offloaded(const torch::Tensor& param) const;
+  /// While true, backwards do not copy gradients to the host (more micro-batches of the window follow; the
+  /// copies of the last one, or the step, count). Off by default.
+  void defer_gradient_copies(bool defer);
+  /// The gradient copies to the host behind the last step: those the backward made since the step before
+  /// (one per offloaded gradient per backward that was not deferred), and those the step made because a
+  /// gradient had no copy or had changed since its copy.
+  struct CopyCounts {
+    int64_t during_backward = 0;
+    int64_t at_step = 0;
+  };
+  CopyCounts last_step_copies() const { return last_copies_; }
+
+  struct BackwardCopies;  ///< the hooks' shared state (src/offload.cpp)
 
  private:
   struct Offloaded {
@@ -82,6 +108,8 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   std::vector<Offloaded> offloaded_;
   std::unique_ptr<optim::AdamW8bit> host_;       ///< over the masters; state in the host arena
   std::unique_ptr<torch::optim::AdamW> device_;  ///< over the small tensors, on the device
+  std::shared_ptr<BackwardCopies> copies_;       ///< null without copy_during_backward
+  CopyCounts last_copies_;
 };
 
 }  // namespace memsave
