@@ -8,6 +8,7 @@
 #include <memsave/memory.h>
 #include <memsave/trainer.h>
 
+#include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
@@ -40,8 +41,7 @@ Result run(const std::string& model, int64_t batch, int64_t micro, int steps) {
     result.parts.gradients = result.parts.parameters;  // fp32 gradients of fp32 parameters
     result.parts.other -= result.parts.gradients;
   }
-  std::sort(times.begin(), times.end());
-  result.seconds = times[times.size() / 2];
+  result.seconds = memsave::bench::median(times);
   return result;
 }
 

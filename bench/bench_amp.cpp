@@ -6,6 +6,7 @@
 #include <memsave/amp.h>
 #include <memsave/memory.h>
 
+#include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
@@ -46,12 +47,11 @@ Result run(const std::string& model, int64_t batch, bool bf16, int steps) {
     result.activations = memsave::memory_stats(torch::kCPU).current - before_forward;
     loss.backward();
     opt.step();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds = memsave::bench::seconds_since(start);
     if (s > 0) times.push_back(seconds);
     result.parts = memsave::breakdown(scope.peak(), net->parameters(), &opt, torch::kCPU);
   }
-  std::sort(times.begin(), times.end());
-  result.seconds = times[times.size() / 2];
+  result.seconds = memsave::bench::median(times);
   return result;
 }
 

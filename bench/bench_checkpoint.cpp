@@ -6,6 +6,7 @@
 #include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 
+#include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
@@ -76,10 +77,8 @@ Result run(const std::string& model, int64_t batch, const std::string& setting, 
     }
     result.activations = scope.peak() - scope.start();
   }
-  std::sort(times.begin(), times.end());
-  std::sort(forward_times.begin(), forward_times.end());
-  result.seconds = times[times.size() / 2];
-  result.forward_seconds = forward_times[forward_times.size() / 2];
+  result.seconds = memsave::bench::median(times);
+  result.forward_seconds = memsave::bench::median(forward_times);
   return result;
 }
 

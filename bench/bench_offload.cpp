@@ -8,6 +8,7 @@
 #include <memsave/offload.h>
 #include <memsave/optim.h>
 
+#include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
@@ -87,13 +88,12 @@ Result run(const std::string& model, int64_t batch, torch::Device device, const 
     w.loss(net->forward(data.input), data.target).backward();
     opt ? (void)opt->step() : fused->step();
     if (device.is_cuda()) torch::cuda::synchronize();
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds = memsave::bench::seconds_since(start);
     if (s > 0) times.push_back(seconds);
     result.device_peak = scope.peak();
     result.host_peak = memsave::host_memory_stats().peak;
   }
-  std::sort(times.begin(), times.end());
-  result.seconds = times[times.size() / 2];
+  result.seconds = memsave::bench::median(times);
   return result;
 }
 

@@ -2,6 +2,8 @@
 // 10^9) on the current CUDA device: LibTorch's fused AdamW (at::_fused_adamw_) against memsave's AdamW8bit
 // with fp32 and with 8-bit state, and the device's copy bandwidth for the memory floor. Medians of 10 timed
 // steps after 3 warm-up steps. No Google Benchmark: the GPU machine does not have it.
+#include "timing.h"
+
 #include <memsave/memory.h>
 #include <memsave/optim.h>
 
@@ -25,10 +27,9 @@ double median_seconds(const std::function<void()>& step) {
     const auto start = std::chrono::steady_clock::now();
     step();
     torch::cuda::synchronize();
-    times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    times.push_back(memsave::bench::seconds_since(start));
   }
-  std::nth_element(times.begin(), times.begin() + 5, times.end());
-  return times[5];
+  return memsave::bench::median(times);
 }
 
 }  // namespace

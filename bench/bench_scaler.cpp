@@ -4,6 +4,8 @@
 // (with unscale_ where the path needs it), gradients reset outside the timed region. The floor is the bytes
 // the path must move over the bandwidth of a large copy measured in the same run.
 //   build/bench/memsave_bench_scaler [--reps N]
+#include "timing.h"
+
 #include <memsave/amp.h>
 #include <memsave/optim.h>
 
@@ -20,14 +22,8 @@ namespace {
 
 constexpr int64_t kParams = int64_t{1} << 24;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-double seconds_since(std::chrono::steady_clock::time_point start) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
+using memsave::bench::median;
+using memsave::bench::seconds_since;
 
 /// Bytes per second of a large copy (read + write counted).
 double copy_bandwidth(int reps) {

@@ -67,8 +67,8 @@ inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
 #endif
 }
 
-/// A reference that keeps an autograd node alive: std::shared_ptr<Node> before 2.12 (about), then
-/// c10::intrusive_ptr<Node>; both have `->`.
+/// A reference that keeps an autograd node alive: std::shared_ptr<Node> in 2.11, c10::intrusive_ptr<Node> in
+/// 2.15; both have `->`.
 using NodeRef = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 }  // namespace memsave::compat

@@ -99,13 +99,9 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     model.param_bytes_ += bytes_of(p);
   }
   for (size_t i = 0; i < net->size(); ++i) {
-    int64_t bytes = 0, largest = 0;
-    for (const auto& p : net->ptr(i)->parameters()) {
-      bytes += bytes_of(p);
-      largest = std::max(largest, bytes_of(p));
-    }
+    int64_t bytes = 0;
+    for (const auto& p : net->ptr(i)->parameters()) bytes += bytes_of(p);
     model.element_params_.push_back(bytes);
-    model.element_largest_.push_back(largest);
   }
   const size_t n = net->size();
   const auto [input, target] = setup.make_batch(model.rows_, device);
@@ -242,9 +238,9 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
   auto stored = [&](size_t i) { return a.stored_fixed[i] + a.stored[i] * rows; };
   auto backward = [&](size_t i) { return a.backward_fixed[i] + a.backward[i] * rows; };
   // Parameter gradients present while element i's backward runs. The first micro-batch of a window: those
-  // of the elements from i on. Later ones: all of them, and beside them the gradient arriving to be added:
-  // the element's largest parameter's (under autocast with its bf16 form), or a recomputed piece's
-  // gradients, which it hands back together.
+  // of the elements from i on. Later ones: all of them, and beside them the gradients arriving to be added:
+  // what the profile measured for the element, or a recomputed piece's gradients, which it hands back
+  // together.
   const size_t n = a.stored.size();
   std::vector<double> grads(n + 1, 0);
   for (size_t i = n; i-- > 0;) grads[i] = grads[i + 1] + static_cast<double>(element_params_[i]);

@@ -49,10 +49,11 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
                     int steps, std::optional<int64_t> budget = std::nullopt);
 
 /// Predicts the peak of a recipe from one profile of the model: the bytes of parameters, gradients, optimizer
-/// state (by optimizer and bits) and batch, each element's activations (fp32 and under autocast) from a
-/// forward pass run element by element, and the backward's and the optimizer step's extra from one measured
-/// baseline step (of the whole batch; of half of it, and so on, when the device cannot hold that).
-/// Activations scale with the micro-batch's rows and follow the checkpoint plan.
+/// state (by optimizer and bits) and batch, and from training passes run element by element (fp32 and under
+/// autocast, at two sizes of the batch — of half of it, and so on, when the device cannot hold that) each
+/// element's stored activations, forward peak, backward peak and, onto existing gradients, what its arriving
+/// gradients add; and the optimizer step's temporaries. A recipe's pass is simulated by walking the backward
+/// through its checkpoint plan, bytes scaled to the micro-batch's rows.
 class MemoryModel {
  public:
   static MemoryModel profile(const TrainingSetup& setup, int64_t batch, c10::Device device);
@@ -88,8 +89,7 @@ class MemoryModel {
   int64_t batch_ = 0;
   int64_t rows_ = 0;  ///< rows of the profile
   std::vector<int64_t> param_numel_;
-  std::vector<int64_t> element_params_;   ///< bytes of the parameters registered in each element
-  std::vector<int64_t> element_largest_;  ///< bytes of the largest of them
+  std::vector<int64_t> element_params_;  ///< bytes of the parameters registered in each element
   int64_t param_bytes_ = 0;
   int64_t batch_bytes_per_row_ = 0;
   Activations fp32_, amp_;
