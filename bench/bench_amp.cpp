@@ -1,7 +1,9 @@
 // bf16 autocast against fp32 on the CPU: peak memory (the meter, split by memsave::breakdown) and step time
 // of a training step (forward under autocast, backward, AdamW step), same model, batch and seed, one
-// invocation. "activations" is what the graph holds when the forward and the loss end (the tensors saved for
-// the backward, autocast's weight copies among them).
+// invocation. "held" is what the graph holds when the forward and the loss end (the tensors saved for the
+// backward, autocast's weight copies among them). Measured again at twice the batch, it splits into what
+// grows with the batch (the activations: held(2B) - held(B) per B) and what does not (held(B) less that:
+// under autocast, the bf16 copies of the weights, which depend on the parameters alone).
 //   build/bench/memsave_bench_amp [--steps N]
 #include <memsave/amp.h>
 #include <memsave/memory.h>
@@ -22,7 +24,7 @@ namespace {
 
 struct Result {
   memsave::MemoryBreakdown parts;
-  int64_t activations = 0;  ///< what the graph holds when the forward (loss included) ends
+  int64_t held = 0;  ///< what the graph holds when the forward (loss included) ends
   double seconds = 0;
 };
 
@@ -44,7 +46,7 @@ Result run(const std::string& model, int64_t batch, bool bf16, int steps) {
       memsave::amp::Autocast autocast(torch::kCPU, torch::kBFloat16, /*enabled=*/bf16);
       loss = w.loss(net->forward(data.input), data.target);
     }
-    result.activations = memsave::memory_stats(torch::kCPU).current - before_forward;
+    result.held = memsave::memory_stats(torch::kCPU).current - before_forward;
     loss.backward();
     opt.step();
     const double seconds = memsave::bench::seconds_since(start);
@@ -53,6 +55,18 @@ Result run(const std::string& model, int64_t batch, bool bf16, int steps) {
   }
   result.seconds = memsave::bench::median(times);
   return result;
+}
+
+/// The graph's held bytes at a batch, split by a second measurement at twice the batch.
+struct Split {
+  int64_t activations = 0;  ///< grows with the batch: held(2B) - held(B)
+  int64_t fixed = 0;        ///< does not: held(B) - activations
+};
+
+Split split(const std::string& model, int64_t batch, bool bf16, const Result& at_batch) {
+  const Result twice = run(model, 2 * batch, bf16, /*steps=*/0);
+  const int64_t activations = twice.held - at_batch.held;
+  return {activations, at_batch.held - activations};
 }
 
 }  // namespace
@@ -64,20 +78,23 @@ int main(int argc, char** argv) {
   }
   std::printf("threads %d, median of %d timed steps after one untimed\n\n", at::get_num_threads(), steps);
   std::printf(
-      "| model | batch | precision | peak | activations | activations vs fp32 | peak − parameters, "
-      "gradients, "
-      "state | step time | time vs fp32 |\n| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| model | batch | precision | peak | held after forward | activations (grow with batch) | "
+      "activations vs fp32 | fixed (weight copies) | step time | time vs fp32 |\n"
+      "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   const std::pair<const char*, int64_t> cases[] = {{"gpt-tiny", 32}, {"gpt-12l", 8}, {"resnet50", 8}};
   for (const auto& [model, batch] : cases) {
     const Result fp32 = run(model, batch, false, steps);
     const Result bf16 = run(model, batch, true, steps);
+    const Split fp32_split = split(model, batch, false, fp32);
+    const Split bf16_split = split(model, batch, true, bf16);
     for (const auto* r : {&fp32, &bf16}) {
-      std::printf("| %s | %lld | %s | %s | %s | %.2f× | %s | %.3f s | %.2f× |\n", model,
+      const Split& parts = r == &fp32 ? fp32_split : bf16_split;
+      std::printf("| %s | %lld | %s | %s | %s | %s | %.3f× | %s | %.3f s | %.2f× |\n", model,
                   static_cast<long long>(batch), r == &fp32 ? "fp32" : "bf16 autocast",
-                  memsave::format_bytes(r->parts.total).c_str(),
-                  memsave::format_bytes(r->activations).c_str(),
-                  static_cast<double>(r->activations) / static_cast<double>(fp32.activations),
-                  memsave::format_bytes(r->parts.other).c_str(), r->seconds, r->seconds / fp32.seconds);
+                  memsave::format_bytes(r->parts.total).c_str(), memsave::format_bytes(r->held).c_str(),
+                  memsave::format_bytes(parts.activations).c_str(),
+                  static_cast<double>(parts.activations) / static_cast<double>(fp32_split.activations),
+                  memsave::format_bytes(parts.fixed).c_str(), r->seconds, r->seconds / fp32.seconds);
     }
   }
   return 0;
