@@ -8,15 +8,14 @@
 #include <memsave/memory.h>
 #include <memsave/trainer.h>
 
+#include "args.h"
 #include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -49,9 +48,9 @@ Result run(const std::string& model, int64_t batch, int64_t micro, int steps) {
 
 int main(int argc, char** argv) {
   memsave::install_meter();
-  int steps = 3;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (std::strcmp(argv[i], "--steps") == 0) steps = std::max(1, std::atoi(argv[i + 1]));
+  memsave::bench::Args args(argc, argv);
+  const int steps = static_cast<int>(args.integer("--steps", 3, /*min=*/1));
+  args.finish();
   std::printf("threads %d, median of %d timed steps after one untimed\n\n", at::get_num_threads(), steps);
   std::printf(
       "| model | batch | micro-batch | peak | activations and other | items/s | activations vs full | "

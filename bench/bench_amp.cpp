@@ -8,16 +8,15 @@
 #include <memsave/amp.h>
 #include <memsave/memory.h>
 
+#include "args.h"
 #include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -72,10 +71,9 @@ Split split(const std::string& model, int64_t batch, bool bf16, const Result& at
 }  // namespace
 
 int main(int argc, char** argv) {
-  int steps = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--steps") == 0) steps = std::max(1, std::atoi(argv[i + 1]));
-  }
+  memsave::bench::Args args(argc, argv);
+  const int steps = static_cast<int>(args.integer("--steps", 3, /*min=*/1));
+  args.finish();
   std::printf("threads %d, median of %d timed steps after one untimed\n\n", at::get_num_threads(), steps);
   std::printf(
       "| model | batch | precision | peak | held after forward | activations (grow with batch) | "

@@ -6,17 +6,16 @@
 #include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 
+#include "args.h"
 #include "timing.h"
 #include "zoo/zoo.h"
 
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -86,9 +85,9 @@ Result run(const std::string& model, int64_t batch, const std::string& setting, 
 
 int main(int argc, char** argv) {
   memsave::install_meter();
-  int steps = 3;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (std::strcmp(argv[i], "--steps") == 0) steps = std::max(1, std::atoi(argv[i + 1]));
+  memsave::bench::Args args(argc, argv);
+  const int steps = static_cast<int>(args.integer("--steps", 3, /*min=*/1));
+  args.finish();
   const std::pair<const char*, int64_t> cases[] = {{"gpt-12l", 8}, {"resnet50", 8}};
   for (const auto& [model, batch] : cases) {
     for (const char* setting : {"none", "every layer", "sqrt(n) segments", "per-layer policy"}) {

@@ -1,13 +1,14 @@
 // CPU offload of optimizer state: device-pool peak, host-arena peak and step time of a training step
 // (forward, loss, backward, optimizer step) with the optimizer on the device against offloaded (fp32 and
-// 8-bit host state), same model, batch and seed, one invocation. On a machine without a GPU the device is the
-// CPU device pool
-// ("CPU, simulated device"): the host arena is what a GPU would not have to hold.
+// 8-bit host state; gradients copied at the step or during the backward), same model, batch and seed, one
+// invocation. On a machine without a GPU the device is the CPU device pool ("CPU, simulated device"): the
+// host arena is what a GPU would not have to hold.
 //   build/bench/memsave_bench_offload [--model gpt-12l] [--batch 8] [--steps N] [--device cpu|cuda]
 #include <memsave/memory.h>
 #include <memsave/offload.h>
 #include <memsave/optim.h>
 
+#include "args.h"
 #include "timing.h"
 #include "zoo/zoo.h"
 
@@ -15,10 +16,8 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <memory>
 #include <string>
@@ -32,16 +31,31 @@ struct Result {
   double seconds = 0;
 };
 
-std::unique_ptr<torch::optim::Optimizer> make(const std::string& kind,
-                                              const std::vector<torch::Tensor>& params) {
-  if (kind == "LibTorch AdamW")
+/// An optimizer of the comparison; no `offload_bits`: LibTorch's, on the device.
+struct Kind {
+  const char* name;
+  bool fused = false;        ///< LibTorch: at::_fused_adamw_ (the kernel of AdamW(fused=True))
+  int64_t offload_bits = 0;  ///< memsave offload: bits of the host state
+  bool copy_during_backward = false;
+};
+
+const Kind kKinds[] = {
+    {"LibTorch AdamW"},
+    {"LibTorch AdamW, fused kernel", /*fused=*/true},
+    {"memsave offload fp32", false, 32},
+    {"memsave offload fp32, copies during backward", false, 32, true},
+    {"memsave offload 8-bit", false, 8},
+    {"memsave offload 8-bit, copies during backward", false, 8, true},
+};
+
+std::unique_ptr<torch::optim::Optimizer> make(const Kind& kind, const std::vector<torch::Tensor>& params) {
+  if (kind.fused) return nullptr;
+  if (kind.offload_bits == 0)
     return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-4));
-  if (kind == "LibTorch AdamW, fused kernel")  // at::_fused_adamw_ (the kernel of AdamW(fused=True))
-    return nullptr;
-  if (kind == "memsave offload fp32")
-    return std::make_unique<memsave::OffloadOptimizer>(params, memsave::OffloadOptimizerOptions(1e-4));
   return std::make_unique<memsave::OffloadOptimizer>(params,
-                                                     memsave::OffloadOptimizerOptions(1e-4).state_bits(8));
+                                                     memsave::OffloadOptimizerOptions(1e-4)
+                                                         .state_bits(kind.offload_bits)
+                                                         .copy_during_backward(kind.copy_during_backward));
 }
 
 /// LibTorch's fused AdamW kernel over all parameters, with its state (what torch.optim.AdamW(fused=True)
@@ -67,8 +81,7 @@ struct FusedAdamW {
   std::vector<torch::Tensor> params, m, v, steps;
 };
 
-Result run(const std::string& model, int64_t batch, torch::Device device, const std::string& kind,
-           int steps) {
+Result run(const std::string& model, int64_t batch, torch::Device device, const Kind& kind, int steps) {
   torch::manual_seed(0);
   const memsave::zoo::Workload w = memsave::zoo::workload(model);
   auto net = w.make_model();
@@ -101,15 +114,12 @@ Result run(const std::string& model, int64_t batch, torch::Device device, const 
 
 int main(int argc, char** argv) {
   memsave::install_meter();
-  int steps = 3;
-  int64_t batch = 8;
-  std::string model = "gpt-12l", device_name = "cpu";
-  for (int i = 1; i + 1 < argc; i += 2) {
-    if (std::strcmp(argv[i], "--steps") == 0) steps = std::max(1, std::atoi(argv[i + 1]));
-    if (std::strcmp(argv[i], "--batch") == 0) batch = std::max(1, std::atoi(argv[i + 1]));
-    if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
-    if (std::strcmp(argv[i], "--device") == 0) device_name = argv[i + 1];
-  }
+  memsave::bench::Args args(argc, argv);
+  const int steps = static_cast<int>(args.integer("--steps", 3, /*min=*/1));
+  const int64_t batch = args.integer("--batch", 8, /*min=*/1);
+  const std::string model = args.text("--model", "gpt-12l");
+  const std::string device_name = args.text("--device", "cpu");
+  args.finish();
   const torch::Device device(device_name);
   if (device.is_cuda() && !torch::cuda::is_available()) {
     std::fprintf(stderr, "bench_offload: --device cuda but no CUDA device\n");
@@ -122,18 +132,17 @@ int main(int argc, char** argv) {
       static_cast<long long>(batch), at::get_num_threads(), steps);
   std::printf(
       "| optimizer | device peak | host arena peak | step time | device peak vs LibTorch | time vs LibTorch "
-      "|\n"
-      "| --- | ---: | ---: | ---: | ---: | ---: |\n");
-  const char* kinds[] = {"LibTorch AdamW", "LibTorch AdamW, fused kernel", "memsave offload fp32",
-                         "memsave offload 8-bit"};
-  Result base;
-  for (const char* kind : kinds) {
+      "| time vs fused |\n"
+      "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  Result base, fused;
+  for (const Kind& kind : kKinds) {
     const Result r = run(model, batch, device, kind, steps);
-    if (kind == kinds[0]) base = r;
-    std::printf("| %s | %s | %s | %.3f s | %.2f× | %.2f× |\n", kind,
+    if (&kind == &kKinds[0]) base = r;
+    if (kind.fused) fused = r;
+    std::printf("| %s | %s | %s | %.3f s | %.2f× | %.2f× | %.2f× |\n", kind.name,
                 memsave::format_bytes(r.device_peak).c_str(), memsave::format_bytes(r.host_peak).c_str(),
                 r.seconds, static_cast<double>(r.device_peak) / static_cast<double>(base.device_peak),
-                r.seconds / base.seconds);
+                r.seconds / base.seconds, r.seconds / fused.seconds);
     std::fflush(stdout);
   }
   return 0;

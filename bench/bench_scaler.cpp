@@ -4,6 +4,7 @@
 // (with unscale_ where the path needs it), gradients reset outside the timed region. The floor is the bytes
 // the path must move over the bandwidth of a large copy measured in the same run.
 //   build/bench/memsave_bench_scaler [--reps N]
+#include "args.h"
 #include "timing.h"
 
 #include <memsave/amp.h>
@@ -12,10 +13,8 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -68,9 +67,9 @@ double run(Path path, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  int reps = 7;
-  for (int i = 1; i + 1 < argc; i += 2)
-    if (std::strcmp(argv[i], "--reps") == 0) reps = std::max(1, std::atoi(argv[i + 1]));
+  memsave::bench::Args args(argc, argv);
+  const int reps = static_cast<int>(args.integer("--reps", 7, /*min=*/1));
+  args.finish();
   const double bandwidth = copy_bandwidth(reps);
   std::printf("2^24 fp32 parameters, %d threads, median of %d steps; copy bandwidth %.1f GB/s\n\n",
               at::get_num_threads(), reps, bandwidth / 1e9);

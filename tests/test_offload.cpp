@@ -163,6 +163,44 @@ TEST(Offload, GradientsGoToTheHostDuringTheBackwardAndOnlyChangedOnesAgainAtTheS
   EXPECT_EQ(a.last_step_copies().at_step, 1);
 }
 
+TEST(Offload, ABackwardThatThrowsHalfwayLeavesTheFollowingStepsExact) {
+  // A hook on the first layer's output throws once the later layers' gradients exist (and were copied).
+  auto during = model(), at_step = model();
+  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  torch::manual_seed(6);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  auto backward = [&](tnn::Sequential& net, bool fail) {
+    torch::Tensor h = x;
+    for (size_t i = 0; i < net->size(); ++i) {
+      h = net->begin()[static_cast<std::ptrdiff_t>(i)].forward(h);
+      if (i == 1 && fail)
+        h.register_hook([](const torch::Tensor&) -> torch::Tensor { TORCH_CHECK(false, "injected"); });
+    }
+    F::cross_entropy(h, y).backward();
+  };
+  for (auto* pair : {&a, &b}) {
+    auto& net = pair == &a ? during : at_step;
+    pair->zero_grad();
+    EXPECT_THROW(backward(net, /*fail=*/true), c10::Error);
+    EXPECT_FALSE(net->parameters()[0].grad().defined());
+    EXPECT_TRUE(net->parameters()[5].grad().defined());
+    pair->step();  // on the gradients the failed backward left: the first layer is not stepped
+  }
+  EXPECT_EQ(a.last_step_copies().during_backward, 4);
+  EXPECT_EQ(a.last_step_copies().at_step, 0);
+  expect_same_parameters(during, at_step);
+  for (auto* pair : {&a, &b}) {  // and a clean step after it
+    auto& net = pair == &a ? during : at_step;
+    pair->zero_grad();
+    backward(net, /*fail=*/false);
+    pair->step();
+  }
+  EXPECT_EQ(a.last_step_copies().during_backward, 6);
+  EXPECT_EQ(a.last_step_copies().at_step, 0);
+  expect_same_parameters(during, at_step);
+}
+
 TEST(Offload, TheScalersUnscaleIsSeenByTheCopiesMadeDuringTheBackward) {
   auto during = model(), at_step = model();
   OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
