@@ -39,7 +39,7 @@ struct Kind {
   bool copy_during_backward = false;
 };
 
-const Kind kKinds[] = {
+constexpr Kind kKinds[] = {
     {"LibTorch AdamW"},
     {"LibTorch AdamW, fused kernel", /*fused=*/true},
     {"memsave offload fp32", false, 32},
@@ -134,16 +134,17 @@ int main(int argc, char** argv) {
       "| optimizer | device peak | host arena peak | step time | device peak vs LibTorch | time vs LibTorch "
       "| time vs fused |\n"
       "| --- | ---: | ---: | ---: | ---: | ---: | ---: |\n");
-  Result base, fused;
-  for (const Kind& kind : kKinds) {
-    const Result r = run(model, batch, device, kind, steps);
-    if (&kind == &kKinds[0]) base = r;
-    if (kind.fused) fused = r;
-    std::printf("| %s | %s | %s | %.3f s | %.2f× | %.2f× | %.2f× |\n", kind.name,
+  std::vector<Result> results;
+  for (const Kind& kind : kKinds) results.push_back(run(model, batch, device, kind, steps));
+  const Result& base = results[0];
+  static_assert(kKinds[1].fused, "the fused kernel is the second kind");
+  const Result& fused = results[1];
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Result& r = results[i];
+    std::printf("| %s | %s | %s | %.3f s | %.2f× | %.2f× | %.2f× |\n", kKinds[i].name,
                 memsave::format_bytes(r.device_peak).c_str(), memsave::format_bytes(r.host_peak).c_str(),
                 r.seconds, static_cast<double>(r.device_peak) / static_cast<double>(base.device_peak),
                 r.seconds / base.seconds, r.seconds / fused.seconds);
-    std::fflush(stdout);
   }
   return 0;
 }
