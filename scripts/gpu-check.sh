@@ -41,7 +41,7 @@ status=0
 run_tests() {  # binary, filter
   local name; name=$(basename "$1")
   if "$build/$1" --gtest_filter="$2" --gtest_output="xml:$out/$name.xml" >"$out/$name.log" 2>&1; then
-    note "tests $name ($2): $(grep -E '^\[  PASSED  \]' "$out/$name.log")"
+    note "tests $name ($2): $(grep -E '^\[  (PASSED|SKIPPED) +\] [0-9]+ tests?' "$out/$name.log" | tr '\n' ' ')"
   else
     status=1; note "tests $name ($2): FAILED"; grep -E "Failure|FAILED|Expected|Which is" "$out/$name.log" | head -20 | tee -a "$summary"
   fi
