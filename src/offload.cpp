@@ -287,17 +287,39 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
   // The whole device: the copies on the side stream, those above, and the last step's parameter copies.
   if (on_cuda) torch::cuda::synchronize(offloaded_.front().param.device().index());
 
-  // 2. The CPU step on the masters; its state is created in the host arena.
-  if (host_) {
-    HostAllocationScope host;
-    host_->step();
-  }
+  // 2. The CPU step on the masters (its state is created in the host arena), and 3. the parameters back to
+  // the
+  //    device. Once every master has its state, tensor by tensor: each parameter's copy back is queued
+  //    (asynchronously on CUDA) as soon as its master is stepped, so the copies overlap the rest of the CPU
+  //    step. Until then all at once, so that running out of memory while creating the state changes nothing.
+  if (host_) step_masters();
   if (device_) device_->step();
-
-  // 3. Parameters back to the device.
-  for (const Offloaded& o : offloaded_)
-    if (o.master.grad().defined()) o.param.copy_(o.master, /*non_blocking=*/o.param.is_cuda());
   return loss;
+}
+
+void OffloadOptimizer::step_masters() {
+  HostAllocationScope host;
+  std::vector<const Offloaded*> stepping;
+  bool every_state = true;
+  for (const Offloaded& o : offloaded_) {
+    if (!o.master.grad().defined()) continue;
+    stepping.push_back(&o);
+    every_state = every_state && host_->state().count(o.master.unsafeGetTensorImpl()) > 0;
+  }
+  if (!every_state) {
+    host_->step();
+    for (const Offloaded* o : stepping) o->param.copy_(o->master, /*non_blocking=*/o->param.is_cuda());
+    return;
+  }
+  // The inner optimizer steps the masters that have a gradient: one at a time.
+  for (const Offloaded* o : stepping) o->master.mutable_grad() = torch::Tensor();
+  for (const Offloaded* o : stepping) {
+    o->master.mutable_grad() = o->grad;
+    host_->step();
+    o->master.mutable_grad() = torch::Tensor();
+    o->param.copy_(o->master, /*non_blocking=*/o->param.is_cuda());
+  }
+  for (const Offloaded* o : stepping) o->master.mutable_grad() = o->grad;
 }
 
 std::vector<torch::Tensor> OffloadOptimizer::state_tensors() const {

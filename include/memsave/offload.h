@@ -68,8 +68,9 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   OffloadOptimizer& operator=(const OffloadOptimizer&) = delete;
 
   /// Copies the gradients to the host, steps the master weights there (parameters without a gradient are
-  /// skipped), and copies them back into the parameters. An error before the copy back leaves parameters and
-  /// state as they were.
+  /// skipped), and copies them back into the parameters, each as soon as its master is stepped (on CUDA the
+  /// copies back overlap the rest of the CPU step). An error before the copy back, such as running out of
+  /// memory while the first step creates the state, leaves parameters and state as they were.
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
   /// Loads what `save` wrote; a file for other parameters is an error that changes nothing.
@@ -104,6 +105,8 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   };
   const OffloadOptimizerOptions& options() const;
   void sync_hyper_parameters();
+  /// Steps the masters that have a gradient and copies them back into their parameters.
+  void step_masters();
 
   std::vector<Offloaded> offloaded_;
   std::unique_ptr<optim::AdamW8bit> host_;       ///< over the masters; state in the host arena
