@@ -1,8 +1,8 @@
 // CPU offload of optimizer state: device-pool peak, host-arena peak and step time of a training step
 // (forward, loss, backward, optimizer step) with the optimizer on the device against offloaded (fp32 and
-// 8-bit host state; gradients copied at the step or during the backward), same model, batch and seed, one
-// invocation. On a machine without a GPU the device is the CPU device pool ("CPU, simulated device"): the
-// host arena is what a GPU would not have to hold.
+// 8-bit host state; gradients copied at the step or during the backward, or the parameters stepped during
+// the backward), same model, batch and seed, one invocation. On a machine without a GPU the device is the CPU
+// device pool ("CPU, simulated device"): the host arena is what a GPU would not have to hold.
 //   build/bench/memsave_bench_offload [--model gpt-12l] [--batch 8] [--steps N] [--device cpu|cuda]
 #include <memsave/memory.h>
 #include <memsave/offload.h>
@@ -39,6 +39,7 @@ struct Kind {
   bool fused = false;        ///< LibTorch: at::_fused_adamw_ (the kernel of AdamW(fused=True))
   int64_t offload_bits = 0;  ///< memsave offload: bits of the host state
   bool copy_during_backward = false;
+  bool step_during_backward = false;
 };
 
 constexpr Kind kKinds[] = {
@@ -46,8 +47,10 @@ constexpr Kind kKinds[] = {
     {"LibTorch AdamW, fused kernel", /*fused=*/true},
     {"memsave offload fp32", false, 32},
     {"memsave offload fp32, copies during backward", false, 32, true},
+    {"memsave offload fp32, steps during backward", false, 32, true, true},
     {"memsave offload 8-bit", false, 8},
     {"memsave offload 8-bit, copies during backward", false, 8, true},
+    {"memsave offload 8-bit, steps during backward", false, 8, true, true},
 };
 
 std::unique_ptr<torch::optim::Optimizer> make(const Kind& kind, const std::vector<torch::Tensor>& params) {
@@ -57,7 +60,8 @@ std::unique_ptr<torch::optim::Optimizer> make(const Kind& kind, const std::vecto
   return std::make_unique<memsave::OffloadOptimizer>(params,
                                                      memsave::OffloadOptimizerOptions(1e-4)
                                                          .state_bits(kind.offload_bits)
-                                                         .copy_during_backward(kind.copy_during_backward));
+                                                         .copy_during_backward(kind.copy_during_backward)
+                                                         .step_during_backward(kind.step_during_backward));
 }
 
 /// LibTorch's fused AdamW kernel over all parameters, with its state (what torch.optim.AdamW(fused=True)

@@ -1,5 +1,7 @@
 #include "memsave/accumulate.h"
 
+#include "memsave/offload.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/utils/clip_grad.h>
@@ -37,6 +39,12 @@ GradientAccumulator::GradientAccumulator(torch::optim::Optimizer& optimizer, Acc
   TORCH_CHECK(options.max_grad_norm() >= 0 && std::isfinite(options.max_grad_norm()),
               "GradientAccumulator: max_grad_norm must be >= 0 (0: no clipping), got ",
               options.max_grad_norm());
+  const auto* offload = dynamic_cast<const OffloadOptimizer*>(&optimizer);
+  TORCH_CHECK(
+      offload == nullptr || !offload->options().step_during_backward(),
+      "GradientAccumulator: an OffloadOptimizer with step_during_backward steps its parameters during "
+      "the backward, before a window's gradients can be corrected, clipped or unscaled; use "
+      "copy_during_backward");
 }
 
 void GradientAccumulator::begin_window(double items) {

@@ -1,5 +1,6 @@
 #include "memsave/amp.h"
 
+#include "memsave/offload.h"
 #include "memsave/optim.h"
 
 #include "../kernels/finite.h"
@@ -104,6 +105,12 @@ torch::Tensor GradScaler::scale(const torch::Tensor& loss) {
 void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
   if (!options_.enabled()) return;
   check_scaled("unscale_()");
+  // NOTE: the first backward never steps (the state is created at the first step), so this refuses the
+  // combination before any parameter was stepped with scaled gradients.
+  const auto* offload = dynamic_cast<const OffloadOptimizer*>(&optimizer);
+  TORCH_CHECK(offload == nullptr || !offload->options().step_during_backward(),
+              "GradScaler: an OffloadOptimizer with step_during_backward steps its parameters during the "
+              "backward, before the gradients can be unscaled; use copy_during_backward with a scaler");
   OptimizerState& state = optimizers_[&optimizer];
   TORCH_CHECK(state.stage != Stage::kUnscaled,
               "GradScaler: unscale_() has already been called on this optimizer since the last update()");

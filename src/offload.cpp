@@ -13,9 +13,18 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
+
+#include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <functional>
 #include <limits>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <unordered_set>
 #include <utility>
 
@@ -78,10 +87,31 @@ struct OffloadOptimizer::BackwardCopies {
   int64_t made = 0;                        ///< copies since the last step
   std::optional<c10::Stream> side_stream;  ///< CUDA: where the copies run
 
+  // step_during_backward: a host thread steps each parameter whose gradient has been copied.
+  struct Arrived {
+    size_t slot;
+    std::optional<c10::Event> copied;  ///< CUDA: the copy to the host is done
+  };
+  std::function<void(size_t)> step_slot;  ///< null without step_during_backward
+  std::vector<char> can_step;             ///< per slot: its master has its state, the backward may step it
+  std::vector<char> stepped;              ///< per slot: handed to the host thread since the last step
+  int64_t stepped_count = 0;
+  bool late_accumulation = false;  ///< a gradient arrived again after its parameter was stepped
+  std::deque<Arrived> arrived;
+  bool working = false, stopping = false;
+  std::exception_ptr failure;
+  std::condition_variable changed;
+  std::thread worker;
+  std::optional<c10::Stream> up_stream;  ///< CUDA: where the host thread copies parameters back
+
   /// Copies slot `i`'s gradient to the host, if there is one to copy now.
   void copy(size_t i) {
     std::lock_guard<std::mutex> lock(mutex);
     if (!owner_alive || deferred) return;
+    if (step_slot && stepped[i]) {  // step() reports it: the parameter has been stepped already
+      late_accumulation = true;
+      return;
+    }
     Slot& s = slots[i];
     const torch::Tensor& g = s.param.grad();
     if (!g.defined() || g.is_sparse() || g.sizes() != s.param.sizes()) return;  // the step says why
@@ -98,6 +128,64 @@ struct OffloadOptimizer::BackwardCopies {
     }
     record(i, g);
     ++made;
+    if (step_slot && can_step[i]) {
+      Arrived a{i, std::nullopt};
+      if (g.is_cuda()) {
+        a.copied.emplace(c10::DeviceType::CUDA);
+        a.copied->record(*side_stream);
+      }
+      stepped[i] = 1;
+      arrived.push_back(std::move(a));
+      changed.notify_all();
+    }
+  }
+
+  /// The host thread of step_during_backward: steps what arrives until told to stop.
+  void work() {
+    std::unique_lock<std::mutex> lock(mutex);
+    for (;;) {
+      changed.wait(lock, [&] { return stopping || !arrived.empty(); });
+      if (stopping) return;
+      Arrived a = std::move(arrived.front());
+      arrived.pop_front();
+      if (failure) continue;  // the step after the failure reports it; nothing more is stepped
+      working = true;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        if (a.copied) a.copied->synchronize();
+        step_slot(a.slot);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      working = false;
+      if (error)
+        failure = error;
+      else
+        ++stepped_count;
+      changed.notify_all();
+    }
+  }
+
+  /// What the backward did since the last step, once the host thread has stepped all it was handed.
+  struct SinceStep {
+    std::vector<char> stepped;  ///< per slot: handed to the host thread
+    int64_t copies = 0, steps = 0;
+    std::exception_ptr failure;
+    bool late_accumulation = false;
+  };
+  SinceStep finish_backward() {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return arrived.empty() && !working; });
+    SinceStep since;
+    since.stepped.assign(slots.size(), 0);
+    if (step_slot) since.stepped.swap(stepped);
+    since.copies = std::exchange(made, 0);
+    since.steps = std::exchange(stepped_count, 0);
+    since.failure = std::exchange(failure, nullptr);
+    since.late_accumulation = std::exchange(late_accumulation, false);
+    return since;
   }
 
   /// Notes that slot `i`'s host buffer now holds `g` as it is.
@@ -106,10 +194,11 @@ struct OffloadOptimizer::BackwardCopies {
     slots[i].version = g._version();
   }
 
-  /// Waits for the copies queued on the side stream.
+  /// Waits for the copies queued on the side streams.
   void wait() {
 #ifdef MEMSAVE_WITH_CUDA
     if (side_stream) detail::synchronize_stream(*side_stream);
+    if (up_stream) detail::synchronize_stream(*up_stream);
 #endif
   }
 
@@ -151,6 +240,7 @@ void OffloadOptimizerOptions::serialize(torch::serialize::OutputArchive& archive
   archive.write("state_bits", state_bits());
   archive.write("min_offload_size", min_offload_size());
   archive.write("copy_during_backward", copy_during_backward());
+  archive.write("step_during_backward", step_during_backward());
 }
 
 void OffloadOptimizerOptions::serialize(torch::serialize::InputArchive& archive) {
@@ -159,12 +249,16 @@ void OffloadOptimizerOptions::serialize(torch::serialize::InputArchive& archive)
   min_offload_size(read_int(archive, "min_offload_size"));
   c10::IValue copy;
   if (archive.try_read("copy_during_backward", copy)) copy_during_backward(copy.toBool());
+  c10::IValue step;
+  if (archive.try_read("step_during_backward", step)) step_during_backward(step.toBool());
 }
 
 bool operator==(const OffloadOptimizerOptions& a, const OffloadOptimizerOptions& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
          a.weight_decay() == b.weight_decay() && a.state_bits() == b.state_bits() &&
-         a.min_offload_size() == b.min_offload_size() && a.copy_during_backward() == b.copy_during_backward();
+         a.min_offload_size() == b.min_offload_size() &&
+         a.copy_during_backward() == b.copy_during_backward() &&
+         a.step_during_backward() == b.step_during_backward();
 }
 
 OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options)
@@ -201,7 +295,7 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
   }
   if (!masters.empty()) host_ = std::make_unique<optim::AdamW8bit>(masters, host_options(options));
   if (!small.empty()) device_ = std::make_unique<torch::optim::AdamW>(small, device_options(options));
-  if (options.copy_during_backward() && !offloaded_.empty()) {
+  if ((options.copy_during_backward() || options.step_during_backward()) && !offloaded_.empty()) {
     // NOTE: the optimizer holds each parameter's gradient accumulator, so every later graph uses the same
     // node and its hook (a parameter keeps only a weak reference to it).
     copies_ = std::make_shared<BackwardCopies>();
@@ -214,13 +308,25 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
       slot.accumulator = torch::autograd::impl::grad_accumulator(slot.param);
       slot.hook_key = slot.accumulator->add_post_hook(std::make_unique<CopyWhenAccumulated>(copies_, i));
     }
+    if (options.step_during_backward()) {
+      copies_->stepped.assign(offloaded_.size(), 0);
+      copies_->can_step.assign(offloaded_.size(), 0);
+      copies_->step_slot = [this](size_t i) { step_one(i, /*beside=*/true); };
+      copies_->worker = std::thread([copies = copies_.get()] { copies->work(); });
+    }
   }
 }
 
 OffloadOptimizer::~OffloadOptimizer() {
   if (!copies_) return;
+  {
+    std::lock_guard<std::mutex> lock(copies_->mutex);
+    copies_->owner_alive = false;
+    copies_->stopping = true;
+    copies_->changed.notify_all();
+  }
+  if (copies_->worker.joinable()) copies_->worker.join();
   std::lock_guard<std::mutex> lock(copies_->mutex);
-  copies_->owner_alive = false;
   for (BackwardCopies::Slot& slot : copies_->slots)
     if (slot.accumulator) slot.accumulator->del_post_hook(slot.hook_key);
 }
@@ -253,73 +359,116 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
     torch::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  // 0. What the backward did: the copies it made and the parameters it stepped (step_during_backward, on
+  //    the host thread: wait for it). Its failure is this step's error.
+  last_copies_ = {};
+  std::vector<char> stepped(offloaded_.size(), 0);
+  if (copies_) {
+    BackwardCopies::SinceStep since = copies_->finish_backward();
+    last_copies_.during_backward = since.copies;
+    last_copies_.stepped_during_backward = since.steps;
+    stepped = std::move(since.stepped);
+    if (since.failure) std::rethrow_exception(since.failure);
+    TORCH_CHECK(!since.late_accumulation,
+                "OffloadOptimizer: a gradient was accumulated after the backward had stepped its parameter "
+                "(step_during_backward); under accumulation call defer_gradient_copies(true) for every "
+                "micro-batch but the window's last");
+  }
   sync_hyper_parameters();
   // 1. Gradients to the host (asynchronously into pinned buffers on CUDA, one synchronization).
-  //    Checks come first: a rejected step changes nothing.
-  for (const Offloaded& o : offloaded_) {
+  //    Checks come first: a rejected step changes nothing (but what the backward stepped, which it reports).
+  for (size_t i = 0; i < offloaded_.size(); ++i) {
+    const Offloaded& o = offloaded_[i];
     const torch::Tensor& g = o.param.grad();
     TORCH_CHECK(!g.defined() || !g.is_sparse(), "OffloadOptimizer: sparse gradients are not supported");
     TORCH_CHECK(!g.defined() || g.sizes() == o.param.sizes(), "OffloadOptimizer: a gradient of shape ",
                 g.sizes(), " for a parameter of shape ", o.param.sizes());
+    TORCH_CHECK(
+        !stepped[i] || copies_->fresh(i), "OffloadOptimizer: the gradient of offloaded parameter ", i,
+        " (shape ", o.param.sizes(),
+        ") changed after the backward stepped the parameter (step_during_backward): nothing may change "
+        "the gradients between the backward and the step");
   }
   //    A gradient copied during the backward and unchanged since is not copied again.
   bool on_cuda = false;
-  last_copies_ = {};
-  if (copies_) {
-    copies_->wait();  // before a copy below can write a buffer the side stream writes
-    last_copies_.during_backward = std::exchange(copies_->made, 0);
-  }
+  if (copies_) copies_->wait();  // before a copy below can write a buffer the side streams write
+  std::vector<size_t> to_step;
   for (size_t i = 0; i < offloaded_.size(); ++i) {
     Offloaded& o = offloaded_[i];
     const torch::Tensor& g = o.param.grad();
-    if (!g.defined()) {
-      o.master.mutable_grad() = torch::Tensor();  // no gradient: the master is not stepped
-      continue;
-    }
+    if (!g.defined() || stepped[i]) continue;  // no gradient, or stepped already: the master is not stepped
     if (!copies_ || !copies_->fresh(i)) {
       o.grad.copy_(g, /*non_blocking=*/g.is_cuda());
       if (copies_) copies_->record(i, g);
       ++last_copies_.at_step;
     }
-    o.master.mutable_grad() = o.grad;
+    to_step.push_back(i);
     on_cuda = on_cuda || g.is_cuda();
   }
   // The whole device: the copies on the side stream, those above, and the last step's parameter copies.
   if (on_cuda) torch::cuda::synchronize(offloaded_.front().param.device().index());
 
   // 2. The CPU step on the masters (its state is created in the host arena), and 3. the parameters back to
-  // the
-  //    device. Once every master has its state, tensor by tensor: each parameter's copy back is queued
-  //    (asynchronously on CUDA) as soon as its master is stepped, so the copies overlap the rest of the CPU
-  //    step. Until then all at once, so that running out of memory while creating the state changes nothing.
-  if (host_) step_masters();
+  //    the device.
+  if (host_ && !to_step.empty()) step_masters(to_step);
   if (device_) device_->step();
+  if (copies_ && copies_->step_slot) {  // the next backward may step the parameters that have their state
+    std::lock_guard<std::mutex> lock(copies_->mutex);
+    for (size_t i = 0; i < offloaded_.size(); ++i)
+      copies_->can_step[i] = host_->state().count(offloaded_[i].master.unsafeGetTensorImpl()) > 0;
+  }
   return loss;
 }
 
-void OffloadOptimizer::step_masters() {
-  HostAllocationScope host;
-  std::vector<const Offloaded*> stepping;
-  bool every_state = true;
-  for (const Offloaded& o : offloaded_) {
-    if (!o.master.grad().defined()) continue;
-    stepping.push_back(&o);
-    every_state = every_state && host_->state().count(o.master.unsafeGetTensorImpl()) > 0;
-  }
-  if (!every_state) {
-    host_->step();
-    for (const Offloaded* o : stepping) o->param.copy_(o->master, /*non_blocking=*/o->param.is_cuda());
+void OffloadOptimizer::step_masters(const std::vector<size_t>& which) {
+  // Once every master has its state, one at a time: each parameter's copy back is queued (asynchronously on
+  // CUDA) as soon as its master is stepped, so the copies overlap the rest of the CPU step. Until then all
+  // at once, so that running out of memory while creating the state changes nothing.
+  const bool every_state = std::all_of(which.begin(), which.end(), [&](size_t i) {
+    return host_->state().count(offloaded_[i].master.unsafeGetTensorImpl()) > 0;
+  });
+  if (every_state) {
+    for (size_t i : which) step_one(i, /*beside=*/false);
     return;
   }
-  // The inner optimizer steps the masters that have a gradient: one at a time.
-  for (const Offloaded* o : stepping) o->master.mutable_grad() = torch::Tensor();
-  for (const Offloaded* o : stepping) {
-    o->master.mutable_grad() = o->grad;
+  HostAllocationScope host;
+  // The inner optimizer steps the masters that have a gradient; outside a step none has.
+  auto clear = [&] {
+    for (size_t i : which) offloaded_[i].master.mutable_grad() = torch::Tensor();
+  };
+  for (size_t i : which) offloaded_[i].master.mutable_grad() = offloaded_[i].grad;
+  try {
     host_->step();
-    o->master.mutable_grad() = torch::Tensor();
-    o->param.copy_(o->master, /*non_blocking=*/o->param.is_cuda());
+  } catch (...) {
+    clear();
+    throw;
   }
-  for (const Offloaded* o : stepping) o->master.mutable_grad() = o->grad;
+  clear();
+  for (size_t i : which) offloaded_[i].param.copy_(offloaded_[i].master, offloaded_[i].param.is_cuda());
+}
+
+void OffloadOptimizer::step_one(size_t i, bool beside) {
+  torch::NoGradGuard no_grad;  // the host thread's own mode
+  HostAllocationScope host;
+  const Offloaded& o = offloaded_[i];
+  if (beside) sync_hyper_parameters();  // a schedule may have changed them since the last step
+  o.master.mutable_grad() = o.grad;
+  try {
+    host_->step();
+  } catch (...) {
+    o.master.mutable_grad() = torch::Tensor();
+    throw;
+  }
+  o.master.mutable_grad() = torch::Tensor();
+#ifdef MEMSAVE_WITH_CUDA
+  if (beside && o.param.is_cuda()) {  // on a stream of its own, which the next step waits for
+    if (!copies_->up_stream) copies_->up_stream = detail::side_stream(o.param.device());
+    const c10::StreamGuard guard(*copies_->up_stream);
+    o.param.copy_(o.master, /*non_blocking=*/true);
+    return;
+  }
+#endif
+  o.param.copy_(o.master, /*non_blocking=*/o.param.is_cuda());
 }
 
 std::vector<torch::Tensor> OffloadOptimizer::state_tensors() const {

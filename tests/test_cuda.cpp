@@ -154,10 +154,9 @@ TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
   }
 }
 
-TEST(CudaOffload, GradientsCopiedOnTheSideStreamDuringTheBackwardGiveTheSameStep) {
-  SKIP_WITHOUT_CUDA();
-  // The copies made on the side stream while the backward runs must be what the step would have copied:
-  // two CUDA models, one stepped from those copies and one from copies made at the step, stay bit-identical.
+/// Two CUDA models, one offloaded with `during` (work done while the backward runs) and one with the copies
+/// made at the step, stay bit-identical over 5 steps.
+void expect_backward_work_gives_the_same_steps(const OffloadOptimizerOptions& during_options) {
   auto make = [] {
     torch::manual_seed(1);
     auto net =
@@ -166,8 +165,8 @@ TEST(CudaOffload, GradientsCopiedOnTheSideStreamDuringTheBackwardGiveTheSameStep
     return net;
   };
   auto during = make(), at_step = make();
-  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
-  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  OffloadOptimizer a(during->parameters(), during_options);
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(during_options.lr()));
   torch::manual_seed(2);
   for (int step = 0; step < 5; ++step) {
     const auto x = torch::randn({64, 512}, kCuda),
@@ -180,9 +179,25 @@ TEST(CudaOffload, GradientsCopiedOnTheSideStreamDuringTheBackwardGiveTheSameStep
     }
     EXPECT_EQ(a.last_step_copies().during_backward, 4);
     EXPECT_EQ(a.last_step_copies().at_step, 0);
+    // The first step creates the state, at the step; from then on the backward steps every parameter.
+    if (during_options.step_during_backward()) {
+      EXPECT_EQ(a.last_step_copies().stepped_during_backward, step == 0 ? 0 : 4);
+    }
   }
   for (size_t i = 0; i < during->parameters().size(); ++i)
     EXPECT_TRUE(torch::equal(during->parameters()[i], at_step->parameters()[i])) << i;
+}
+
+TEST(CudaOffload, GradientsCopiedOnTheSideStreamDuringTheBackwardGiveTheSameStep) {
+  SKIP_WITHOUT_CUDA();
+  expect_backward_work_gives_the_same_steps(OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+}
+
+TEST(CudaOffload, ParametersSteppedDuringTheBackwardGiveTheSameStep) {
+  SKIP_WITHOUT_CUDA();
+  // The host thread waits for each gradient's copy, steps, and copies the parameter back on a stream of its
+  // own, which the step waits for before the next forward.
+  expect_backward_work_gives_the_same_steps(OffloadOptimizerOptions(1e-3).step_during_backward(true));
 }
 
 TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {

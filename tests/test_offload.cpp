@@ -262,6 +262,78 @@ TEST(Offload, AnOptimizerGoneLeavesNoHookBehind) {
   EXPECT_EQ(opt.last_step_copies().at_step, 0);
 }
 
+TEST(Offload, SteppingDuringTheBackwardGivesTheSameParameters) {
+  for (const int bits : {32, 8}) {
+    SCOPED_TRACE(std::to_string(bits) + " bits");
+    auto at_step = model(), during = model();
+    OffloadOptimizer reference(at_step->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
+    OffloadOptimizer opt(during->parameters(),
+                         OffloadOptimizerOptions(1e-3).state_bits(bits).step_during_backward(true));
+    const auto n = static_cast<int64_t>(during->parameters().size());
+    train(at_step, reference, 1);
+    train(during, opt, 1);  // the first step creates the state: at the step, all at once
+    EXPECT_EQ(opt.last_step_copies().stepped_during_backward, 0);
+    // A learning-rate change between steps is what the next backward's steps use.
+    static_cast<OffloadOptimizerOptions&>(reference.param_groups().front().options()).lr(5e-4);
+    static_cast<OffloadOptimizerOptions&>(opt.param_groups().front().options()).lr(5e-4);
+    train(at_step, reference, 20);
+    train(during, opt, 20);
+    EXPECT_EQ(opt.last_step_copies().stepped_during_backward, n);
+    EXPECT_EQ(opt.last_step_copies().at_step, 0);
+    expect_same_parameters(at_step, during);
+  }
+}
+
+TEST(Offload, SteppingDuringTheBackwardUnderAccumulationNeedsDeferredCopies) {
+  auto at_step = model(), during = model();
+  OffloadOptimizer reference(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  OffloadOptimizer opt(during->parameters(), OffloadOptimizerOptions(1e-3).step_during_backward(true));
+  torch::manual_seed(9);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  auto window = [&](tnn::Sequential& net, OffloadOptimizer& o, bool defer) {
+    o.zero_grad();
+    for (int micro = 0; micro < 2; ++micro) {
+      o.defer_gradient_copies(defer && micro == 0);
+      F::cross_entropy(net->forward(x.narrow(0, 16 * micro, 16)), y.narrow(0, 16 * micro, 16)).backward();
+    }
+    o.step();
+  };
+  for (int s = 0; s < 3; ++s) {
+    window(at_step, reference, /*defer=*/true);
+    window(during, opt, /*defer=*/true);
+  }
+  EXPECT_EQ(opt.last_step_copies().stepped_during_backward,
+            static_cast<int64_t>(during->parameters().size()));
+  expect_same_parameters(at_step, during);
+  // Without deferring, the first micro-batch's backward steps the parameters: the second one's gradients
+  // arrive too late, which the step reports.
+  EXPECT_THROW(window(during, opt, /*defer=*/false), c10::Error);
+  window(during, opt, /*defer=*/true);  // and the optimizer goes on
+  EXPECT_EQ(opt.last_step_copies().stepped_during_backward,
+            static_cast<int64_t>(during->parameters().size()));
+}
+
+TEST(Offload, SteppingDuringTheBackwardRefusesGradientChangesAfterIt) {
+  auto net = model();
+  OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).step_during_backward(true));
+  train(net, opt, 2);
+  torch::manual_seed(10);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  opt.zero_grad();
+  F::cross_entropy(net->forward(x), y).backward();
+  {
+    torch::NoGradGuard no_grad;
+    net->parameters()[0].mutable_grad().mul_(0.5);  // as a clipping would, after the parameter was stepped
+  }
+  EXPECT_THROW(opt.step(), c10::Error);
+  // What would change the gradients refuses such an optimizer up front.
+  EXPECT_THROW(GradientAccumulator(opt, AccumulateOptions().window(2)), c10::Error);
+  amp::GradScaler scaler;
+  opt.zero_grad();
+  scaler.scale(F::cross_entropy(net->forward(x), y)).backward();
+  EXPECT_THROW(scaler.unscale_(opt), c10::Error);
+}
+
 TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {
   auto net = model();
   OffloadOptimizer opt(net->parameters(),

@@ -50,6 +50,15 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// them between the backward and the step, leave this off (memsave's Trainer and GradientAccumulator,
   /// which clip visibly, turn it on).
   TORCH_ARG(bool, copy_during_backward) = false;
+  /// Also step each parameter during the backward (implies `copy_during_backward`): as soon as its gradient
+  /// is on the host, a host thread steps its master and copies it back while the backward goes on, so the CPU
+  /// step overlaps the device's work; `step()` waits for those and steps the rest. From the second step on
+  /// (the first creates the state, all at once). Nothing may change the gradients between the backward and
+  /// the step: memsave's GradScaler and GradientAccumulator clipping refuse such an optimizer, and a gradient
+  /// changed afterwards (visibly) is an error at `step()`, when its parameter has already been stepped. Under
+  /// accumulation, `defer_gradient_copies(true)` for every micro-batch but the window's last (the Trainer
+  /// does); a gradient accumulated after its parameter was stepped is an error at `step()`.
+  TORCH_ARG(bool, step_during_backward) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -81,6 +90,8 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   std::vector<torch::Tensor> state_tensors() const override;
   /// Master weights, gradient buffers and optimizer state in the host arena.
   std::vector<torch::Tensor> host_state_tensors() const;
+  /// The options in force (those of the one parameter group).
+  const OffloadOptimizerOptions& options() const;
   /// Whether `param`'s state lives in host memory.
   bool offloaded(const torch::Tensor& param) const;
   /// While true, backwards do not copy gradients to the host (more micro-batches of the window follow; the
@@ -92,6 +103,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   struct CopyCounts {
     int64_t during_backward = 0;
     int64_t at_step = 0;
+    int64_t stepped_during_backward = 0;  ///< parameters the backward stepped (`step_during_backward`)
   };
   CopyCounts last_step_copies() const { return last_copies_; }
 
@@ -103,10 +115,11 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
     torch::Tensor master;  ///< fp32, host arena; the inner optimizer's parameter
     torch::Tensor grad;    ///< host arena buffer the gradient is copied into
   };
-  const OffloadOptimizerOptions& options() const;
   void sync_hyper_parameters();
-  /// Steps the masters that have a gradient and copies them back into their parameters.
-  void step_masters();
+  /// Steps the masters of `which` (indices into offloaded_) and copies them back into their parameters.
+  void step_masters(const std::vector<size_t>& which);
+  /// Steps master `i` alone and copies it back; `beside`: on the host thread of `step_during_backward`.
+  void step_one(size_t i, bool beside);
 
   std::vector<Offloaded> offloaded_;
   std::unique_ptr<optim::AdamW8bit> host_;       ///< over the masters; state in the host arena
