@@ -54,10 +54,10 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// is on the host, a host thread steps its master and copies it back while the backward goes on, so the CPU
   /// step overlaps the device's work; `step()` waits for those and steps the rest. From the second step on
   /// (the first creates the state, all at once). Nothing may change the gradients between the backward and
-  /// the step: memsave's GradScaler and GradientAccumulator clipping refuse such an optimizer, and a gradient
-  /// changed afterwards (visibly) is an error at `step()`, when its parameter has already been stepped. Under
-  /// accumulation, `defer_gradient_copies(true)` for every micro-batch but the window's last (the Trainer
-  /// does); a gradient accumulated after its parameter was stepped is an error at `step()`.
+  /// the step: memsave's GradScaler and GradientAccumulator (so the Trainer) refuse such an optimizer, and a
+  /// gradient changed afterwards (visibly) is an error at `step()`, when its parameter has already been
+  /// stepped. To accumulate by hand, `defer_gradient_copies(true)` for every micro-batch but the window's
+  /// last; a gradient accumulated after its parameter was stepped is an error at `step()`.
   TORCH_ARG(bool, step_during_backward) = false;
 
  public:
