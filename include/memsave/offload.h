@@ -57,7 +57,8 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// the step: memsave's GradScaler and GradientAccumulator (so the Trainer) refuse such an optimizer, and a
   /// gradient changed afterwards (visibly) is an error at `step()`, when its parameter has already been
   /// stepped. To accumulate by hand, `defer_gradient_copies(true)` for every micro-batch but the window's
-  /// last; a gradient accumulated after its parameter was stepped is an error at `step()`.
+  /// last; a gradient accumulated after its parameter was stepped is an error at `step()`. A parameter must
+  /// not be read by the backward after its gradient is complete (a `.detach()`ed use would be).
   TORCH_ARG(bool, step_during_backward) = false;
 
  public:
