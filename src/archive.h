@@ -28,6 +28,12 @@ inline bool read_bool(InputArchive& archive, const char* key) {
   return value.to<bool>();
 }
 
+/// A field that older files may lack: `absent` when they do.
+inline bool read_bool_or(InputArchive& archive, const char* key, bool absent) {
+  c10::IValue value;
+  return archive.try_read(key, value) ? value.to<bool>() : absent;
+}
+
 inline void write_betas(OutputArchive& archive, const optim::betas_t& betas) {
   archive.write("beta1", std::get<0>(betas));
   archive.write("beta2", std::get<1>(betas));

@@ -32,7 +32,7 @@ namespace memsave {
 namespace {
 
 using detail::read_betas;
-using detail::read_bool;
+using detail::read_bool_or;
 using detail::read_double;
 using detail::read_int;
 using detail::write_betas;
@@ -95,8 +95,7 @@ struct OffloadOptimizer::BackwardCopies {
   std::function<void(size_t)> step_slot;  ///< null without step_during_backward
   std::vector<char> can_step;             ///< per slot: its master has its state, the backward may step it
   std::vector<char> stepped;              ///< per slot: handed to the host thread since the last step
-  int64_t stepped_count = 0;
-  bool late_accumulation = false;  ///< a gradient arrived again after its parameter was stepped
+  bool late_accumulation = false;         ///< a gradient arrived again after its parameter was stepped
   std::deque<Arrived> arrived;
   bool working = false, stopping = false;
   std::exception_ptr failure;
@@ -160,18 +159,15 @@ struct OffloadOptimizer::BackwardCopies {
       }
       lock.lock();
       working = false;
-      if (error)
-        failure = error;
-      else
-        ++stepped_count;
+      if (error) failure = error;
       changed.notify_all();
     }
   }
 
   /// What the backward did since the last step, once the host thread has stepped all it was handed.
   struct SinceStep {
-    std::vector<char> stepped;  ///< per slot: handed to the host thread
-    int64_t copies = 0, steps = 0;
+    std::vector<char> stepped;  ///< per slot: handed to the host thread (and stepped, but for a failure)
+    int64_t copies = 0;
     std::exception_ptr failure;
     bool late_accumulation = false;
   };
@@ -182,7 +178,6 @@ struct OffloadOptimizer::BackwardCopies {
     since.stepped.assign(slots.size(), 0);
     if (step_slot) since.stepped.swap(stepped);
     since.copies = std::exchange(made, 0);
-    since.steps = std::exchange(stepped_count, 0);
     since.failure = std::exchange(failure, nullptr);
     since.late_accumulation = std::exchange(late_accumulation, false);
     return since;
@@ -247,10 +242,8 @@ void OffloadOptimizerOptions::serialize(torch::serialize::InputArchive& archive)
   lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
   weight_decay(read_double(archive, "weight_decay")).state_bits(read_int(archive, "state_bits"));
   min_offload_size(read_int(archive, "min_offload_size"));
-  c10::IValue copy;
-  if (archive.try_read("copy_during_backward", copy)) copy_during_backward(copy.toBool());
-  c10::IValue step;
-  if (archive.try_read("step_during_backward", step)) step_during_backward(step.toBool());
+  copy_during_backward(read_bool_or(archive, "copy_during_backward", false));
+  step_during_backward(read_bool_or(archive, "step_during_backward", false));
 }
 
 bool operator==(const OffloadOptimizerOptions& a, const OffloadOptimizerOptions& b) {
@@ -366,8 +359,8 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
   if (copies_) {
     BackwardCopies::SinceStep since = copies_->finish_backward();
     last_copies_.during_backward = since.copies;
-    last_copies_.stepped_during_backward = since.steps;
     stepped = std::move(since.stepped);
+    last_copies_.stepped_during_backward = std::count(stepped.begin(), stepped.end(), 1);
     if (since.failure) std::rethrow_exception(since.failure);
     TORCH_CHECK(!since.late_accumulation,
                 "OffloadOptimizer: a gradient was accumulated after the backward had stepped its parameter "
@@ -444,7 +437,7 @@ void OffloadOptimizer::step_masters(const std::vector<size_t>& which) {
     throw;
   }
   clear();
-  for (size_t i : which) offloaded_[i].param.copy_(offloaded_[i].master, offloaded_[i].param.is_cuda());
+  for (size_t i : which) copy_back(offloaded_[i], /*beside=*/false);
 }
 
 void OffloadOptimizer::step_one(size_t i, bool beside) {
@@ -460,6 +453,10 @@ void OffloadOptimizer::step_one(size_t i, bool beside) {
     throw;
   }
   o.master.mutable_grad() = torch::Tensor();
+  copy_back(o, beside);
+}
+
+void OffloadOptimizer::copy_back(const Offloaded& o, bool beside) {
 #ifdef MEMSAVE_WITH_CUDA
   if (beside && o.param.is_cuda()) {  // on a stream of its own, which the next step waits for
     if (!copies_->up_stream) copies_->up_stream = detail::side_stream(o.param.device());

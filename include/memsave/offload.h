@@ -121,6 +121,9 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   void step_masters(const std::vector<size_t>& which);
   /// Steps master `i` alone and copies it back; `beside`: on the host thread of `step_during_backward`.
   void step_one(size_t i, bool beside);
+  /// Copies a stepped master into its parameter (asynchronously on CUDA; `beside`: on the host thread's own
+  /// stream, which the next step waits for).
+  void copy_back(const Offloaded& o, bool beside);
 
   std::vector<Offloaded> offloaded_;
   std::unique_ptr<optim::AdamW8bit> host_;       ///< over the masters; state in the host arena
