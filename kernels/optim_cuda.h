@@ -39,10 +39,10 @@ struct CudaStep {
   const CodeBook* unsigned_book = nullptr;  ///< device copy
   const float* inv_scale = nullptr;         ///< device, optional: gradients are multiplied by *inv_scale
   const float* found_inf = nullptr;         ///< device, optional: when *found_inf != 0 nothing is changed
-  int max_blocks = 1024;                    ///< grid size cap (the caller passes a multiple of the SM count)
 };
 
-/// Launches the step on `stream` (a cudaStream_t). Returns the cudaError_t of the launches (0 on success).
+/// Launches the step on `stream` (a cudaStream_t, of the current device). The grid holds no more thread
+/// blocks than the device runs at once. Returns the cudaError_t of the launches (0 on success).
 int launch_step_cuda(const CudaStep& step, void* stream);
 
 /// Kernel launches made by launch_step_cuda since the program started (tests check one launch per group).

@@ -93,6 +93,6 @@ MEMSAVE_HD void update(float& p, float g, float& m, float& v, const StepScalars&
 }
 
 /// Whether a rule keeps a second moment.
-constexpr bool has_second_moment(Rule rule) { return rule == Rule::kAdam || rule == Rule::kAdamW; }
+MEMSAVE_HD constexpr bool has_second_moment(Rule rule) { return rule == Rule::kAdam || rule == Rule::kAdamW; }
 
 }  // namespace memsave::kernels

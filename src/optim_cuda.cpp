@@ -76,7 +76,6 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     step.dtype = static_cast<k::DType>(dtype);
     step.signed_book = device_book(true, device);
     step.unsigned_book = device_book(false, device);
-    step.max_blocks = at::cuda::getCurrentDeviceProperties()->multiProcessorCount * 8;
     step.inv_scale = inv_scale;
     const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());
     C10_CUDA_CHECK(static_cast<cudaError_t>(error));

@@ -124,6 +124,32 @@ TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
   EXPECT_TRUE(torch::equal(run(1, 1, 1), start)) << "found_inf must leave the parameters unchanged";
 }
 
+TEST(CudaOptim, IndexesTensorsOfMoreThanTwoTo31Elements) {
+  SKIP_WITHOUT_CUDA();
+  // 2^31 + 1000 bf16 elements (about 12 GiB with gradient and state). Blocks are stepped independently, so
+  // the last 5096 elements, from a block boundary below 2^31 to the end, stepped on their own on the CPU are
+  // the reference for that stretch of the big tensor.
+  const int64_t n = (int64_t{1} << 31) + 1000, from = n - 5096, block = 256;
+  const auto opts = torch::TensorOptions().device(kCuda).dtype(torch::kBFloat16);
+  auto p = torch::randn({n}, opts).requires_grad_();
+  auto tail = p.detach().slice(0, from).cpu().requires_grad_();
+  optim::AdamW8bit big(std::vector<torch::Tensor>{p}, optim::AdamW8bitOptions(1e-3).block_size(block));
+  optim::AdamW8bit small(std::vector<torch::Tensor>{tail}, optim::AdamW8bitOptions(1e-3).block_size(block));
+  for (int t = 0; t < 2; ++t) {
+    p.mutable_grad() = torch::randn({n}, opts);
+    tail.mutable_grad() = p.grad().slice(0, from).cpu();
+    big.step();
+    small.step();
+  }
+  EXPECT_TRUE(torch::equal(p.detach().slice(0, from).cpu(), tail.detach()));
+  const auto& s = static_cast<optim::QuantizedParamState&>(*big.state().at(p.unsafeGetTensorImpl()));
+  const auto& r = static_cast<optim::QuantizedParamState&>(*small.state().at(tail.unsafeGetTensorImpl()));
+  EXPECT_TRUE(torch::equal(s.m().slice(0, from).cpu(), r.m()));
+  EXPECT_TRUE(torch::equal(s.v().slice(0, from).cpu(), r.v()));
+  EXPECT_TRUE(torch::equal(s.absmax_m().slice(0, from / block).cpu(), r.absmax_m()));
+  EXPECT_TRUE(torch::equal(s.absmax_v().slice(0, from / block).cpu(), r.absmax_v()));
+}
+
 TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
   SKIP_WITHOUT_CUDA();
   // The host step is the same CPU kernel whatever the device: with the same gradients, a CUDA model and a CPU

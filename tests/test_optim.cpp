@@ -391,30 +391,61 @@ TEST(Lion, MovesEveryCoordinateByTheLearningRate) {
   EXPECT_TRUE(torch::allclose(p.detach(), -1e-2 * sign, 0, 1e-8));
 }
 
+/// One of the four optimizers (0 Adam, 1 AdamW, 2 Lion, 3 SGD) over `params`, with weight decay, blocks of
+/// `block` elements and 8-bit state from `min_8bit` elements.
+std::unique_ptr<torch::optim::Optimizer> optimizer_of_rule(int rule, const std::vector<torch::Tensor>& params,
+                                                           int64_t block, int64_t min_8bit) {
+  switch (rule) {
+    case 0:
+      return std::make_unique<Adam8bit>(
+          params, Adam8bitOptions(1e-3).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+    case 1:
+      return std::make_unique<AdamW8bit>(params,
+                                         AdamW8bitOptions(1e-3).block_size(block).min_8bit_size(min_8bit));
+    case 2:
+      return std::make_unique<Lion8bit>(
+          params, Lion8bitOptions(1e-4).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+    default:
+      return std::make_unique<SGD8bit>(
+          params,
+          SGD8bitOptions(1e-2).nesterov(true).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+  }
+}
+
 TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  // every rule and storage type, blocks stepped by one warp (64, 256) and by a whole thread block (2048), and
+  // fp32 state; tensors whose ends are partial blocks
   for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
-    torch::manual_seed(5);
-    auto cpu = torch::randn({3 * 4096 + 17}).to(dtype).requires_grad_();
-    auto small = torch::randn({1000}).to(dtype).requires_grad_();
-    auto gpu = cpu.detach().cuda().requires_grad_();
-    auto gpu_small = small.detach().cuda().requires_grad_();
-    AdamW8bit a(std::vector<torch::Tensor>{cpu, small});
-    AdamW8bit b(std::vector<torch::Tensor>{gpu, gpu_small});
-    for (int t = 0; t < 5; ++t) {
-      const auto g = torch::randn_like(cpu), gs = torch::randn_like(small);
-      cpu.mutable_grad() = g;
-      small.mutable_grad() = gs;
-      gpu.mutable_grad() = g.cuda();
-      gpu_small.mutable_grad() = gs.cuda();
-      a.step();
-      b.step();
+    for (const int64_t block : {64, 256, 2048}) {
+      for (const int64_t min_8bit : {int64_t{4096}, int64_t{1} << 40}) {
+        torch::manual_seed(5);
+        const auto big = torch::randn({3 * 4096 + 17}).to(dtype), small = torch::randn({1000}).to(dtype);
+        for (int rule = 0; rule < 4; ++rule) {
+          auto cpu = big.clone().requires_grad_(), cpu_small = small.clone().requires_grad_();
+          auto gpu = big.cuda().requires_grad_(), gpu_small = small.cuda().requires_grad_();
+          const auto a = optimizer_of_rule(rule, {cpu, cpu_small}, block, min_8bit);
+          const auto b = optimizer_of_rule(rule, {gpu, gpu_small}, block, min_8bit);
+          for (int t = 0; t < 5; ++t) {
+            const auto g = torch::randn_like(cpu), gs = torch::randn_like(cpu_small);
+            cpu.mutable_grad() = g;
+            cpu_small.mutable_grad() = gs;
+            gpu.mutable_grad() = g.cuda();
+            gpu_small.mutable_grad() = gs.cuda();
+            a->step();
+            b->step();
+          }
+          const std::string where = "dtype " + std::string(c10::toString(dtype)) + ", block " +
+                                    std::to_string(block) + ", 8-bit from " + std::to_string(min_8bit) +
+                                    ", rule " + std::to_string(rule);
+          EXPECT_TRUE(torch::equal(cpu.detach(), gpu.detach().cpu())) << where;
+          EXPECT_TRUE(torch::equal(cpu_small.detach(), gpu_small.detach().cpu())) << where;
+          const auto& sa = static_cast<QuantizedParamState&>(*a->state().at(cpu.unsafeGetTensorImpl()));
+          const auto& sb = static_cast<QuantizedParamState&>(*b->state().at(gpu.unsafeGetTensorImpl()));
+          EXPECT_TRUE(sa == sb) << where;
+        }
+      }
     }
-    EXPECT_TRUE(torch::equal(cpu.detach(), gpu.detach().cpu())) << dtype;
-    EXPECT_TRUE(torch::equal(small.detach(), gpu_small.detach().cpu())) << dtype;
-    const auto& sa = static_cast<QuantizedParamState&>(*a.state().at(cpu.unsafeGetTensorImpl()));
-    const auto& sb = static_cast<QuantizedParamState&>(*b.state().at(gpu.unsafeGetTensorImpl()));
-    EXPECT_TRUE(sa == sb) << dtype;
   }
 }
 
