@@ -9,7 +9,9 @@
 #include "../kernels/optim_cuda.h"
 
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/Sleep.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -80,6 +82,35 @@ TEST(CudaOptim, OneLaunchPerGroupOfTensors) {
   b.step();
   // 30 quantized tensors: two launches of at most kMaxLaunchTensors; 10 fp32-state tensors: one more
   EXPECT_EQ(kernels::cuda_step_launches() - before, 3);
+}
+
+TEST(CudaOptim, StepsOnTheCurrentStream) {
+  SKIP_WITHOUT_CUDA();
+  // On a side stream made current: a long sleep, then the gradient's new value, then the step. A step queued
+  // on that stream sees the new gradient; one on any other stream would run ahead and read the old value.
+  torch::manual_seed(0);
+  const auto start = torch::randn({8192}), old_grad = torch::randn({8192}), new_grad = torch::randn({8192});
+  auto p = start.cuda().requires_grad_();
+  auto reference = start.clone().requires_grad_();
+  optim::AdamW8bit a(std::vector<torch::Tensor>{p});
+  optim::AdamW8bit b(std::vector<torch::Tensor>{reference});
+  p.mutable_grad() = old_grad.cuda();
+  reference.mutable_grad() = old_grad.clone();
+  a.step();  // the state exists before the timed part: nothing below allocates or waits
+  b.step();
+  const auto new_on_device = new_grad.cuda();
+  torch::cuda::synchronize();
+  const c10::cuda::CUDAStream side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0);
+  {
+    const c10::cuda::CUDAStreamGuard guard(side);
+    at::cuda::sleep(int64_t{1} << 30);  // about half a second
+    p.mutable_grad().copy_(new_on_device);
+    a.step();
+  }
+  torch::cuda::synchronize();
+  reference.mutable_grad() = new_grad;
+  b.step();
+  EXPECT_TRUE(torch::equal(p.detach().cpu(), reference.detach()));
 }
 
 TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
