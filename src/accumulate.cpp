@@ -39,12 +39,22 @@ GradientAccumulator::GradientAccumulator(torch::optim::Optimizer& optimizer, Acc
   TORCH_CHECK(options.max_grad_norm() >= 0 && std::isfinite(options.max_grad_norm()),
               "GradientAccumulator: max_grad_norm must be >= 0 (0: no clipping), got ",
               options.max_grad_norm());
-  const auto* offload = dynamic_cast<const OffloadOptimizer*>(&optimizer);
-  TORCH_CHECK(
-      offload == nullptr || !offload->options().step_during_backward(),
-      "GradientAccumulator: an OffloadOptimizer with step_during_backward steps its parameters during "
-      "the backward, before a window's gradients can be corrected, clipped or unscaled; use "
-      "copy_during_backward");
+  auto* offload = dynamic_cast<OffloadOptimizer*>(&optimizer);
+  if (offload != nullptr && offload->options().step_during_backward()) {
+    TORCH_CHECK(
+        scaler == nullptr,
+        "GradientAccumulator: an OffloadOptimizer with step_during_backward steps its parameters during "
+        "the backward, before a scaler could unscale the gradients; use copy_during_backward with a "
+        "scaler");
+    TORCH_CHECK(
+        options.max_grad_norm() == 0,
+        "GradientAccumulator: an OffloadOptimizer with step_during_backward steps its parameters during "
+        "the backward, before the gradients could be clipped (max_grad_norm ",
+        options.max_grad_norm(), "); use copy_during_backward to clip");
+  }
+  if (offload != nullptr &&
+      (offload->options().copy_during_backward() || offload->options().step_during_backward()))
+    offload_ = offload;
 }
 
 void GradientAccumulator::begin_window(double items) {
@@ -53,6 +63,7 @@ void GradientAccumulator::begin_window(double items) {
   TORCH_CHECK(items > 0 && std::isfinite(items), "GradientAccumulator: a window needs items > 0, got ",
               items);
   normalizer_ = items;
+  announced_ = true;
 }
 
 std::optional<WindowStep> GradientAccumulator::backward(const torch::Tensor& loss, double items) {
@@ -60,11 +71,20 @@ std::optional<WindowStep> GradientAccumulator::backward(const torch::Tensor& los
               loss.defined() ? loss.sizes() : c10::IntArrayRef{});
   TORCH_CHECK(items > 0 && std::isfinite(items), "GradientAccumulator: a micro-batch needs items > 0, got ",
               items);
+  TORCH_CHECK(!stepped_in_backward_, "GradientAccumulator: the window's items (", items_,
+              ") are complete and its last backward has stepped the parameters (step_during_backward); call "
+              "step() before the next micro-batch");
   try {
     if (!normalizer_) normalizer_ = items * static_cast<double>(options_.window());
     const torch::Tensor sum = options_.reduction() == LossReduction::kMean ? loss * items : loss;
     const torch::Tensor normalized = sum / *normalizer_;
+    // The window's last micro-batch copies (and may step); the ones before it leave the gradients on the
+    // device. Exactly complete counts only: then the step's correction is 1 and changes nothing.
+    const bool last =
+        items_ + items == *normalizer_ && (announced_ || micro_batches_ + 1 == options_.window());
+    if (offload_) offload_->defer_gradient_copies(!last);
     (scaler_ ? scaler_->scale(normalized) : normalized).backward();
+    stepped_in_backward_ = last && offload_ && offload_->options().step_during_backward();
     const torch::Tensor detached = sum.detach().to(torch::kDouble);
     loss_sum_ = loss_sum_.defined() ? loss_sum_ + detached : detached;
     items_ += items;
@@ -124,6 +144,9 @@ void GradientAccumulator::discard() {
   items_ = 0;
   loss_sum_ = torch::Tensor();
   normalizer_.reset();
+  announced_ = false;
+  stepped_in_backward_ = false;
+  if (offload_) offload_->defer_gradient_copies(false);
 }
 
 }  // namespace memsave

@@ -113,10 +113,17 @@ OptimizerFactory adamw(double lr, double weight_decay) {
   return [lr, weight_decay](const std::vector<torch::Tensor>& parameters,
                             const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     if (recipe.offload() == Offload::kOptimizerState) {
-      return std::make_unique<OffloadOptimizer>(parameters, OffloadOptimizerOptions(lr)
-                                                                .weight_decay(weight_decay)
-                                                                .state_bits(recipe.state_bits())
-                                                                .copy_during_backward(true));
+      // On a GPU the host is idle during the backward: step there as the gradients arrive, unless something
+      // changes the gradients between the backward and the step (a scaler, clipping). On the CPU the host
+      // thread would compete with the backward for the same cores.
+      const bool on_cuda = !parameters.empty() && parameters.front().is_cuda();
+      return std::make_unique<OffloadOptimizer>(
+          parameters,
+          OffloadOptimizerOptions(lr)
+              .weight_decay(weight_decay)
+              .state_bits(recipe.state_bits())
+              .copy_during_backward(true)
+              .step_during_backward(on_cuda && !recipe.scales_gradients() && recipe.max_grad_norm() == 0));
     }
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::AdamW8bit>(parameters,
@@ -250,16 +257,11 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
   PeakScope scope(device_);
   const auto start = std::chrono::steady_clock::now();
   StepStats stats;
-  auto* offload = dynamic_cast<OffloadOptimizer*>(optimizer_.get());
   try {
+    // NOTE: the accumulator defers an offloaded optimizer's gradient copies to the window's last micro-batch.
     accumulator_->begin_window(total);
-    size_t last = 0;
-    for (size_t i = 0; i < parts.size(); ++i)
-      if (items[i] != 0) last = i;
     for (size_t i = 0; i < parts.size(); ++i) {
       if (items[i] == 0) continue;  // nothing in it counts: skip its forward altogether
-      // Offloaded gradients go to the host once per window, during the last micro-batch's backward.
-      if (offload) offload->defer_gradient_copies(i != last);
       torch::Tensor value;
       {  // NOTE: the output is not held through the backward (the loss's graph keeps what it needs of it):
          // a decoder's logits can be the largest tensor of the step.
@@ -280,7 +282,6 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
     stats.micro_batches = window.micro_batches;
   } catch (...) {
     accumulator_->discard();
-    if (offload) offload->defer_gradient_copies(false);
     throw;
   }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -5,6 +5,7 @@
 #include <memsave/memory.h>
 #include <memsave/offload.h>
 #include <memsave/optim.h>
+#include <memsave/trainer.h>
 
 #include "../kernels/optim_cuda.h"
 
@@ -255,6 +256,44 @@ TEST(CudaOffload, ParametersSteppedDuringTheBackwardGiveTheSameStep) {
   // The host thread waits for each gradient's copy, steps, and copies the parameter back on a stream of its
   // own, which the step waits for before the next forward.
   expect_backward_work_gives_the_same_steps(OffloadOptimizerOptions(1e-3).step_during_backward(true));
+}
+
+TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {
+  SKIP_WITHOUT_CUDA();
+  // memsave::adamw steps during the backward on CUDA when the recipe neither clips nor scales; with micro-
+  // batches the Trainer's accumulator defers the copies to the last one. The same steps as the copies made
+  // during the backward and stepped at the step.
+  auto make = [] {
+    torch::manual_seed(1);
+    auto net =
+        torch::nn::Sequential(torch::nn::Linear(512, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 10));
+    net->to(kCuda);
+    return net;
+  };
+  auto during = make(), at_step = make();
+  const Recipe recipe = Recipe().offload(Offload::kOptimizerState).micro_batch(24);  // 24 + 24 + 16
+  Trainer a(during, adamw(1e-3), recipe);
+  auto reference = std::make_shared<OffloadOptimizer>(
+      at_step->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+  Trainer b(at_step, reference, recipe);
+  auto& opt = dynamic_cast<OffloadOptimizer&>(a.optimizer());
+  ASSERT_TRUE(opt.options().step_during_backward());
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  torch::manual_seed(2);
+  for (int step = 0; step < 4; ++step) {
+    const auto x = torch::randn({64, 512}, kCuda),
+               y = torch::randint(10, {64}, torch::TensorOptions(kCuda).dtype(torch::kLong));
+    a.step(x, y, ce);
+    b.step(x, y, ce);
+    EXPECT_EQ(opt.last_step_copies().stepped_during_backward, step == 0 ? 0 : 4);
+  }
+  for (size_t i = 0; i < during->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(during->parameters()[i], at_step->parameters()[i])) << i;
+  // Clipping changes the gradients after the backward: then the factory copies during it and steps after.
+  Trainer clipped(make(), adamw(1e-3), Recipe(recipe).max_grad_norm(1.0));
+  EXPECT_FALSE(dynamic_cast<OffloadOptimizer&>(clipped.optimizer()).options().step_during_backward());
 }
 
 TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {

@@ -326,12 +326,101 @@ TEST(Offload, SteppingDuringTheBackwardRefusesGradientChangesAfterIt) {
     net->parameters()[0].mutable_grad().mul_(0.5);  // as a clipping would, after the parameter was stepped
   }
   EXPECT_THROW(opt.step(), c10::Error);
-  // What would change the gradients refuses such an optimizer up front.
-  EXPECT_THROW(GradientAccumulator(opt, AccumulateOptions().window(2)), c10::Error);
+  // What would change the gradients after the backward refuses such an optimizer up front.
   amp::GradScaler scaler;
+  EXPECT_THROW(GradientAccumulator(opt, AccumulateOptions().max_grad_norm(1.0)), c10::Error);
+  EXPECT_THROW(GradientAccumulator(opt, AccumulateOptions(), &scaler), c10::Error);
   opt.zero_grad();
   scaler.scale(F::cross_entropy(net->forward(x), y)).backward();
   EXPECT_THROW(scaler.unscale_(opt), c10::Error);
+}
+
+TEST(Offload, TheAccumulatorStepsDuringTheLastBackwardOfAWindow) {
+  // Windows of unequal micro-batches announced by begin_window, full fixed windows, and a shorter window
+  // closed by step(): the same parameters as the optimizer stepped at the step. The last backward of a
+  // complete window steps every parameter (the accumulator defers the copies of the micro-batches before it);
+  // the shorter window, whose gradients the step corrects, is stepped at the step.
+  auto at_step = model(), during = model();
+  OffloadOptimizer reference(at_step->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8));
+  OffloadOptimizer opt(during->parameters(),
+                       OffloadOptimizerOptions(1e-3).state_bits(8).step_during_backward(true));
+  GradientAccumulator reference_acc(reference, AccumulateOptions().window(3));
+  GradientAccumulator acc(opt, AccumulateOptions().window(3));
+  const auto n = static_cast<int64_t>(during->parameters().size());
+  torch::manual_seed(11);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  auto micro = [&](tnn::Sequential& net, GradientAccumulator& a, int64_t start, int64_t rows) {
+    return a.backward(F::cross_entropy(net->forward(x.narrow(0, start, rows)), y.narrow(0, start, rows)),
+                      static_cast<double>(rows));
+  };
+  auto announced = [&](tnn::Sequential& net, GradientAccumulator& a) {  // 12 + 12 + 8 items
+    a.begin_window(32);
+    micro(net, a, 0, 12);
+    micro(net, a, 12, 12);
+    EXPECT_TRUE(micro(net, a, 24, 8).has_value());
+  };
+  auto full = [&](tnn::Sequential& net, GradientAccumulator& a) {  // 3 × 10 items
+    micro(net, a, 0, 10);
+    micro(net, a, 10, 10);
+    EXPECT_TRUE(micro(net, a, 20, 10).has_value());
+  };
+  auto shorter = [&](tnn::Sequential& net, GradientAccumulator& a) {  // 20 of the 30 expected
+    micro(net, a, 0, 10);
+    micro(net, a, 10, 10);
+    a.step();
+  };
+  announced(at_step, reference_acc);
+  announced(during, acc);  // the first step creates the state, at the step
+  for (int s = 0; s < 2; ++s) {
+    announced(at_step, reference_acc);
+    announced(during, acc);
+    EXPECT_EQ(opt.last_step_copies().stepped_during_backward, n);
+    EXPECT_EQ(opt.last_step_copies().during_backward, n) << "the micro-batches before the last copy nothing";
+    full(at_step, reference_acc);
+    full(during, acc);
+    EXPECT_EQ(opt.last_step_copies().stepped_during_backward, n);
+    shorter(at_step, reference_acc);
+    shorter(during, acc);
+    EXPECT_EQ(opt.last_step_copies().stepped_during_backward, 0);
+    EXPECT_EQ(opt.last_step_copies().at_step, n);
+  }
+  expect_same_parameters(at_step, during);
+  // A micro-batch after the window's items are complete, and stepped, is refused before it changes anything.
+  reference_acc.begin_window(16);
+  micro(at_step, reference_acc, 0, 16);
+  reference_acc.step();
+  acc.begin_window(16);
+  micro(during, acc, 0, 16);
+  EXPECT_THROW(micro(during, acc, 16, 8), c10::Error);
+  EXPECT_EQ(acc.pending(), 1);
+  acc.step();
+  expect_same_parameters(at_step, during);
+}
+
+TEST(Offload, TheTrainerStepsDuringTheBackwardWithAnOptimizerThatDoes) {
+  // (memsave::adamw turns step_during_backward on for CUDA models only; a hand-built optimizer here.)
+  auto net = model(), reference = model();
+  auto opt = std::make_shared<OffloadOptimizer>(
+      net->parameters(), OffloadOptimizerOptions(1e-3).weight_decay(0.0).step_during_backward(true));
+  Trainer trainer(net, opt, Recipe().offload(Offload::kOptimizerState).micro_batch(12));  // 12 + 12 + 8
+  Trainer plain(reference, adamw(1e-3, 0.0), Recipe().offload(Offload::kOptimizerState).micro_batch(12));
+  EXPECT_FALSE(dynamic_cast<OffloadOptimizer&>(plain.optimizer()).options().step_during_backward());
+  const auto n = static_cast<int64_t>(net->parameters().size());
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return F::cross_entropy(out, target);
+  };
+  torch::manual_seed(12);
+  for (int s = 0; s < 4; ++s) {
+    const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+    trainer.step(x, y, ce);
+    plain.step(x, y, ce);
+    if (s > 0) EXPECT_EQ(opt->last_step_copies().stepped_during_backward, n);
+  }
+  expect_same_parameters(net, reference);
+  // Clipping and scaling change the gradients after the backward: such recipes refuse the optimizer.
+  EXPECT_THROW(Trainer(net, opt, Recipe().offload(Offload::kOptimizerState).max_grad_norm(1.0)), c10::Error);
+  EXPECT_THROW(Trainer(net, opt, Recipe().offload(Offload::kOptimizerState).grad_scaling(GradScaling::kOn)),
+               c10::Error);
 }
 
 TEST(Offload, AScalerSkipLeavesParametersAndHostStateUnchanged) {

@@ -11,6 +11,12 @@
 // window): a micro-batch of 3 items weighs 3/8 of a window of 8 items, not 1/4 as "average the
 // per-micro-batch means" would make it. Items can be tokens (count the unmasked ones). One unscale, clip and
 // optimizer step per window.
+//
+// With an OffloadOptimizer that copies gradients during the backward, the accumulator defers the copies to
+// the window's last micro-batch: the one whose items complete the count given to begin_window, or (without
+// it) the window()-th, when its items complete the expected count. When the optimizer also steps during the
+// backward (`step_during_backward`: no scaler, no clipping), that last backward steps the parameters; a
+// window that ends otherwise (shorter, or with other counts) is stepped at `step()`, after its correction.
 #pragma once
 
 #include <memsave/amp.h>
@@ -22,6 +28,8 @@
 #include <vector>
 
 namespace memsave {
+
+class OffloadOptimizer;
 
 /// What a micro-batch's scalar loss is: the mean over its items, or their sum.
 enum class LossReduction { kMean, kSum };
@@ -79,11 +87,14 @@ class GradientAccumulator {
   torch::optim::Optimizer& optimizer_;
   AccumulateOptions options_;
   amp::GradScaler* scaler_;
+  OffloadOptimizer* offload_ = nullptr;  ///< the optimizer, when it copies gradients during the backward
   int64_t micro_batches_ = 0;
   double items_ = 0;
   torch::Tensor
       loss_sum_;  ///< sum of per-item losses of the window, on the loss's device (no sync per micro)
   std::optional<double> normalizer_;  ///< what every backward divided its loss sum by
+  bool announced_ = false;            ///< normalizer_ came from begin_window
+  bool stepped_in_backward_ = false;  ///< the window's last backward stepped the parameters (offload_)
 };
 
 }  // namespace memsave

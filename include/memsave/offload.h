@@ -11,8 +11,8 @@
 // it (a post-hook on the parameter's gradient accumulator; on CUDA on a side stream, so the copies overlap
 // the rest of the backward), and the step copies again only what changed since (a gradient replaced, or
 // modified in place: unscaled, accumulated by a later micro-batch). Under accumulation,
-// `defer_gradient_copies(true)` skips the copies of the micro-batches before the last (the Trainer does it):
-// the gradients are copied once per window.
+// `defer_gradient_copies(true)` skips the copies of the micro-batches before the last (memsave's
+// GradientAccumulator, so the Trainer, does it): the gradients are copied once per window.
 //
 // On a machine without a GPU the "device" is the CPU device pool, and the state in the host arena is what a
 // GPU would not have to hold: the meter shows the saving ("CPU, simulated device").
@@ -54,11 +54,13 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// is on the host, a host thread steps its master and copies it back while the backward goes on, so the CPU
   /// step overlaps the device's work; `step()` waits for those and steps the rest. From the second step on
   /// (the first creates the state, all at once). Nothing may change the gradients between the backward and
-  /// the step: memsave's GradScaler and GradientAccumulator (so the Trainer) refuse such an optimizer, and a
-  /// gradient changed afterwards (visibly) is an error at `step()`, when its parameter has already been
-  /// stepped. To accumulate by hand, `defer_gradient_copies(true)` for every micro-batch but the window's
-  /// last; a gradient accumulated after its parameter was stepped is an error at `step()`. A parameter must
-  /// not be read by the backward after its gradient is complete (a `.detach()`ed use would be).
+  /// the step: memsave's GradScaler refuses such an optimizer, and so do a GradientAccumulator (and a Trainer)
+  /// that clips or scales; a gradient changed afterwards (visibly) is an error at `step()`, when its parameter
+  /// has already been stepped. memsave's GradientAccumulator (so the Trainer) defers the copies to a window's
+  /// last micro-batch itself; to accumulate by hand, `defer_gradient_copies(true)` for every micro-batch but
+  /// the window's last: a gradient accumulated after its parameter was stepped is an error at `step()`. A
+  /// parameter must not be read by the backward after its gradient is complete (a `.detach()`ed use would
+  /// be). memsave::adamw (the Trainer's factory) turns this on for CUDA models that neither clip nor scale.
   TORCH_ARG(bool, step_during_backward) = false;
 
  public:
