@@ -212,17 +212,19 @@ TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
   }
 }
 
+/// The same small CUDA model every call (seeded).
+torch::nn::Sequential cuda_mlp() {
+  torch::manual_seed(1);
+  auto net =
+      torch::nn::Sequential(torch::nn::Linear(512, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 10));
+  net->to(kCuda);
+  return net;
+}
+
 /// Two CUDA models, one offloaded with `during` (work done while the backward runs) and one with the copies
 /// made at the step, stay bit-identical over 5 steps.
 void expect_backward_work_gives_the_same_steps(const OffloadOptimizerOptions& during_options) {
-  auto make = [] {
-    torch::manual_seed(1);
-    auto net =
-        torch::nn::Sequential(torch::nn::Linear(512, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 10));
-    net->to(kCuda);
-    return net;
-  };
-  auto during = make(), at_step = make();
+  auto during = cuda_mlp(), at_step = cuda_mlp();
   OffloadOptimizer a(during->parameters(), during_options);
   OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(during_options.lr()));
   torch::manual_seed(2);
@@ -263,14 +265,7 @@ TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {
   // memsave::adamw steps during the backward on CUDA when the recipe neither clips nor scales; with micro-
   // batches the Trainer's accumulator defers the copies to the last one. The same steps as the copies made
   // during the backward and stepped at the step.
-  auto make = [] {
-    torch::manual_seed(1);
-    auto net =
-        torch::nn::Sequential(torch::nn::Linear(512, 1024), torch::nn::Tanh(), torch::nn::Linear(1024, 10));
-    net->to(kCuda);
-    return net;
-  };
-  auto during = make(), at_step = make();
+  auto during = cuda_mlp(), at_step = cuda_mlp();
   const Recipe recipe = Recipe().offload(Offload::kOptimizerState).micro_batch(24);  // 24 + 24 + 16
   Trainer a(during, adamw(1e-3), recipe);
   auto reference = std::make_shared<OffloadOptimizer>(
@@ -292,7 +287,7 @@ TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {
   for (size_t i = 0; i < during->parameters().size(); ++i)
     EXPECT_TRUE(torch::equal(during->parameters()[i], at_step->parameters()[i])) << i;
   // Clipping changes the gradients after the backward: then the factory copies during it and steps after.
-  Trainer clipped(make(), adamw(1e-3), Recipe(recipe).max_grad_norm(1.0));
+  Trainer clipped(cuda_mlp(), adamw(1e-3), Recipe(recipe).max_grad_norm(1.0));
   EXPECT_FALSE(dynamic_cast<OffloadOptimizer&>(clipped.optimizer()).options().step_during_backward());
 }
 
