@@ -146,7 +146,10 @@ void GradientAccumulator::discard() {
   normalizer_.reset();
   announced_ = false;
   stepped_in_backward_ = false;
-  if (offload_) offload_->defer_gradient_copies(false);
+  if (offload_) {
+    offload_->discard_backward();
+    offload_->defer_gradient_copies(false);
+  }
 }
 
 }  // namespace memsave

@@ -330,6 +330,16 @@ void OffloadOptimizer::defer_gradient_copies(bool defer) {
   copies_->deferred = defer;
 }
 
+void OffloadOptimizer::discard_backward() {
+  if (!copies_) return;
+  BackwardCopies::SinceStep since = copies_->finish_backward();
+  copies_->wait();  // the host thread's copies back too, before the next forward reads the parameters
+  if (since.failure) {
+    std::lock_guard<std::mutex> lock(copies_->mutex);
+    copies_->failure = since.failure;
+  }
+}
+
 const OffloadOptimizerOptions& OffloadOptimizer::options() const {
   return static_cast<const OffloadOptimizerOptions&>(param_groups().front().options());
 }

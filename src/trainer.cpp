@@ -113,17 +113,11 @@ OptimizerFactory adamw(double lr, double weight_decay) {
   return [lr, weight_decay](const std::vector<torch::Tensor>& parameters,
                             const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     if (recipe.offload() == Offload::kOptimizerState) {
-      // On a GPU the host is idle during the backward: step there as the gradients arrive, unless something
-      // changes the gradients between the backward and the step (a scaler, clipping). On the CPU the host
-      // thread would compete with the backward for the same cores.
-      const bool on_cuda = !parameters.empty() && parameters.front().is_cuda();
-      return std::make_unique<OffloadOptimizer>(
-          parameters,
-          OffloadOptimizerOptions(lr)
-              .weight_decay(weight_decay)
-              .state_bits(recipe.state_bits())
-              .copy_during_backward(true)
-              .step_during_backward(on_cuda && !recipe.scales_gradients() && recipe.max_grad_norm() == 0));
+      // NOTE: not step_during_backward, which a failed backward can leave half-stepped; it is opt-in.
+      return std::make_unique<OffloadOptimizer>(parameters, OffloadOptimizerOptions(lr)
+                                                                .weight_decay(weight_decay)
+                                                                .state_bits(recipe.state_bits())
+                                                                .copy_during_backward(true));
     }
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::AdamW8bit>(parameters,

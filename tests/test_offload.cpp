@@ -163,22 +163,26 @@ TEST(Offload, GradientsGoToTheHostDuringTheBackwardAndOnlyChangedOnesAgainAtTheS
   EXPECT_EQ(a.last_step_copies().at_step, 1);
 }
 
+/// The loss of `net` on (x, y); with `fail`, its backward throws once the gradients of all but the first
+/// layer exist (a hook on the first layer's output), as an out-of-memory halfway through would.
+torch::Tensor loss_failing_halfway(tnn::Sequential& net, const torch::Tensor& x, const torch::Tensor& y,
+                                   bool fail) {
+  torch::Tensor h = x;
+  for (size_t i = 0; i < net->size(); ++i) {
+    h = net->begin()[static_cast<std::ptrdiff_t>(i)].forward(h);
+    if (i == 1 && fail)
+      h.register_hook([](const torch::Tensor&) -> torch::Tensor { TORCH_CHECK(false, "injected"); });
+  }
+  return F::cross_entropy(h, y);
+}
+
 TEST(Offload, ABackwardThatThrowsHalfwayLeavesTheFollowingStepsExact) {
-  // A hook on the first layer's output throws once the later layers' gradients exist (and were copied).
   auto during = model(), at_step = model();
   OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
   OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
   torch::manual_seed(6);
   const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
-  auto backward = [&](tnn::Sequential& net, bool fail) {
-    torch::Tensor h = x;
-    for (size_t i = 0; i < net->size(); ++i) {
-      h = net->begin()[static_cast<std::ptrdiff_t>(i)].forward(h);
-      if (i == 1 && fail)
-        h.register_hook([](const torch::Tensor&) -> torch::Tensor { TORCH_CHECK(false, "injected"); });
-    }
-    F::cross_entropy(h, y).backward();
-  };
+  auto backward = [&](tnn::Sequential& net, bool fail) { loss_failing_halfway(net, x, y, fail).backward(); };
   for (auto* pair : {&a, &b}) {
     auto& net = pair == &a ? during : at_step;
     pair->zero_grad();
@@ -198,6 +202,35 @@ TEST(Offload, ABackwardThatThrowsHalfwayLeavesTheFollowingStepsExact) {
   }
   EXPECT_EQ(a.last_step_copies().during_backward, 6);
   EXPECT_EQ(a.last_step_copies().at_step, 0);
+  expect_same_parameters(during, at_step);
+}
+
+TEST(Offload, ABackwardThatThrowsWhileSteppingKeepsWhatItSteppedAndTheNextStepsWork) {
+  // With step_during_backward the host thread has stepped the four parameters whose gradients were complete
+  // when the backward failed: they stay stepped, as an optimizer stepped at the step on the failed backward's
+  // gradients would have them. The accumulator gives the window up (discard_backward), and the next windows
+  // step during their backward as usual.
+  auto during = model(), at_step = model();
+  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).step_during_backward(true));
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  train(during, a, 2);
+  train(at_step, b, 2);
+  a.zero_grad();  // the accumulator's windows start from no gradients
+  GradientAccumulator acc(a);
+  torch::manual_seed(6);
+  const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+  EXPECT_THROW(acc.backward(loss_failing_halfway(during, x, y, /*fail=*/true), 32), c10::Error);
+  b.zero_grad();
+  EXPECT_THROW(loss_failing_halfway(at_step, x, y, /*fail=*/true).backward(), c10::Error);
+  EXPECT_FALSE(at_step->parameters()[0].grad().defined());
+  b.step();  // the four parameters with gradients
+  for (int s = 0; s < 3; ++s) {
+    acc.backward(loss_failing_halfway(during, x, y, /*fail=*/false), 32);
+    EXPECT_EQ(a.last_step_copies().stepped_during_backward, 6);
+    b.zero_grad();
+    loss_failing_halfway(at_step, x, y, /*fail=*/false).backward();
+    b.step();
+  }
   expect_same_parameters(during, at_step);
 }
 
@@ -398,7 +431,7 @@ TEST(Offload, TheAccumulatorStepsDuringTheLastBackwardOfAWindow) {
 }
 
 TEST(Offload, TheTrainerStepsDuringTheBackwardWithAnOptimizerThatDoes) {
-  // (memsave::adamw turns step_during_backward on for CUDA models only; a hand-built optimizer here.)
+  // (memsave::adamw never turns step_during_backward on: a hand-built optimizer.)
   auto net = model(), reference = model();
   auto opt = std::make_shared<OffloadOptimizer>(
       net->parameters(), OffloadOptimizerOptions(1e-3).weight_decay(0.0).step_during_backward(true));
@@ -572,3 +605,4 @@ TEST(Offload, TheTrainerOffloadsWithARecipe) {
 
 }  // namespace
 }  // namespace memsave
+

@@ -54,13 +54,16 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// is on the host, a host thread steps its master and copies it back while the backward goes on, so the CPU
   /// step overlaps the device's work; `step()` waits for those and steps the rest. From the second step on
   /// (the first creates the state, all at once). Nothing may change the gradients between the backward and
-  /// the step: memsave's GradScaler refuses such an optimizer, and so do a GradientAccumulator (and a Trainer)
-  /// that clips or scales; a gradient changed afterwards (visibly) is an error at `step()`, when its parameter
-  /// has already been stepped. memsave's GradientAccumulator (so the Trainer) defers the copies to a window's
-  /// last micro-batch itself; to accumulate by hand, `defer_gradient_copies(true)` for every micro-batch but
-  /// the window's last: a gradient accumulated after its parameter was stepped is an error at `step()`. A
-  /// parameter must not be read by the backward after its gradient is complete (a `.detach()`ed use would
-  /// be). memsave::adamw (the Trainer's factory) turns this on for CUDA models that neither clip nor scale.
+  /// the step: memsave's GradScaler refuses such an optimizer, and so do a GradientAccumulator (and a
+  /// Trainer) that clips or scales; a gradient changed afterwards (visibly) is an error at `step()`, when its
+  /// parameter has already been stepped. memsave's GradientAccumulator (so the Trainer) defers the copies to
+  /// a window's last micro-batch itself; to accumulate by hand, `defer_gradient_copies(true)` for every
+  /// micro-batch but the window's last: a gradient accumulated after its parameter was stepped is an error at
+  /// `step()`. A parameter must not be read by the backward after its gradient is complete (a `.detach()`ed
+  /// use would be). NOTE: not all-or-nothing as the other ways are: a backward that fails halfway (an
+  /// out-of-memory) leaves the parameters it had stepped stepped, a step ahead of the rest (call
+  /// `discard_backward()` before the next backward). So it is opt-in, also for the Trainer (give it such an
+  /// optimizer).
   TORCH_ARG(bool, step_during_backward) = false;
 
  public:
@@ -100,6 +103,11 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// While true, backwards do not copy gradients to the host (more micro-batches of the window follow; the
   /// copies of the last one, or the step, count). Off by default.
   void defer_gradient_copies(bool defer);
+  /// Forgets what the backwards did since the last step, for a window given up after a failed backward
+  /// (memsave's GradientAccumulator, so the Trainer, calls it): waits for the copies and, with
+  /// `step_during_backward`, for the host thread, so that the next backward starts afresh. Parameters that
+  /// the host thread has stepped stay stepped; a failure of the host thread is reported by the next step.
+  void discard_backward();
   /// The gradient copies to the host behind the last step: those the backward made since the step before
   /// (one per offloaded gradient per backward that was not deferred), and those the step made because a
   /// gradient had no copy or had changed since its copy.

@@ -92,9 +92,9 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
     const std::vector<torch::Tensor>& parameters, const Recipe& recipe)>;
 
 /// AdamW: LibTorch's torch::optim::AdamW for 32-bit state, memsave::optim::AdamW8bit for 8-bit,
-/// memsave::OffloadOptimizer (with the recipe's bits) when the recipe offloads the optimizer state: copying
-/// gradients during the backward, and on CUDA, when the recipe neither scales nor clips the gradients, also
-/// stepping during it (`step_during_backward`).
+/// memsave::OffloadOptimizer (with the recipe's bits, copying gradients during the backward) when the recipe
+/// offloads the optimizer state. (A Trainer given an OffloadOptimizer with `step_during_backward` steps
+/// during the backward when its recipe neither clips nor scales.)
 OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
 /// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit; no offload.
 OptimizerFactory sgd(double lr, double momentum = 0.9);
