@@ -30,8 +30,8 @@ struct Result {
   int64_t device_peak = 0;
   int64_t host_peak = 0;
   double seconds = 0;  ///< the whole step
-  double backward_seconds =
-      0;  ///< of which zero_grad, forward, loss and backward (copies during it included)
+  /// Of which zero_grad, forward, loss and backward (the copies made during it included).
+  double backward_seconds = 0;
 };
 
 /// An optimizer of the comparison; no `offload_bits`: LibTorch's, on the device.
@@ -112,7 +112,10 @@ Result run(const std::string& model, int64_t batch, torch::Device device, const 
     opt ? (void)opt->step() : fused->step();
     if (device.is_cuda()) torch::cuda::synchronize();
     const double seconds = memsave::bench::seconds_since(start);
-    if (s > 0) times.push_back(seconds), backward_times.push_back(backward_seconds);
+    if (s > 0) {
+      times.push_back(seconds);
+      backward_times.push_back(backward_seconds);
+    }
     result.device_peak = scope.peak();
     result.host_peak = memsave::host_memory_stats().peak;
   }
