@@ -5,266 +5,44 @@
 #include <algorithm>
 #include <atomic>
 
+#include "optim_cuda_kernels.cuh"
+
 namespace memsave::kernels {
 namespace {
 
-constexpr int kThreads = 256;
-/// Quantization blocks up to this size are stepped by one warp each (shuffles only, no barrier); larger
-/// ones by a whole thread block.
-constexpr int kWarpBlock = 256;
-/// Elements per thread and unit of work for fp32 state.
-constexpr int kPerThread32 = 4;
-static_assert(kWarpBlock % 32 == 0 && kMaxBlock % kThreads == 0, "a group's lanes cover its block");
+static_assert(kInvalidValue == static_cast<int>(cudaErrorInvalidValue));
 
 std::atomic<std::int64_t> launches{0};
 
-struct LaunchArgs {
-  CudaTensorStep tensor[kMaxLaunchTensors];
-  std::int64_t first_unit[kMaxLaunchTensors + 1];  // prefix sums of units (blocks or chunks) per tensor
-  int count;
-  std::int64_t unit_size;
-  const CodeBook* signed_book;
-  const CodeBook* unsigned_book;
-  const float* inv_scale;
-  const float* found_inf;
+/// Launches kernels on one stream: `groups` units per thread block, no more thread blocks than the device
+/// holds at once (the kernels stride over the remaining units).
+struct StreamLaunch {
+  cudaStream_t stream;
+
+  template <typename Kernel>
+  int operator()(Kernel kernel, std::int64_t units, int groups, const LaunchArgs& args) const {
+    int device = 0, multiprocessors = 0, resident = 0;
+    cudaError_t error = cudaGetDevice(&device);
+    if (error == cudaSuccess)
+      error = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
+    if (error == cudaSuccess)
+      error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0);
+    if (error != cudaSuccess) return static_cast<int>(error);
+    const std::int64_t wanted = (units + groups - 1) / groups;
+    const std::int64_t most = static_cast<std::int64_t>(std::max(resident, 1)) * std::max(multiprocessors, 1);
+    launches.fetch_add(1, std::memory_order_relaxed);
+    kernel<<<static_cast<int>(std::min(wanted, most)), kThreads, 0, stream>>>(args);
+    return static_cast<int>(cudaGetLastError());
+  }
 };
-static_assert(sizeof(LaunchArgs) <= 4096, "kernel arguments must fit in 4 KiB");
-
-__device__ __forceinline__ int tensor_of(const LaunchArgs& a, std::int64_t unit) {
-  int t = 0;
-  while (t + 1 < a.count && unit >= a.first_unit[t + 1]) ++t;
-  return t;
-}
-
-/// The maxima of a and b over a group of kLanes threads (a warp, or the whole thread block), left in every
-/// thread of the group. The values are float magnitudes as bits, which order as the floats do.
-template <int kLanes>
-__device__ __forceinline__ void group_max(std::uint32_t& a, std::uint32_t& b, std::uint32_t* shared) {
-  for (int offset = 16; offset > 0; offset /= 2) {
-    a = max(a, __shfl_xor_sync(0xffffffffu, a, offset));
-    b = max(b, __shfl_xor_sync(0xffffffffu, b, offset));
-  }
-  if constexpr (kLanes > 32) {
-    const int warp = threadIdx.x / 32;
-    if (threadIdx.x % 32 == 0) {
-      shared[2 * warp] = a;
-      shared[2 * warp + 1] = b;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < kLanes / 32; ++w) {
-      a = max(a, shared[2 * w]);
-      b = max(b, shared[2 * w + 1]);
-    }
-    __syncthreads();  // the next unit writes `shared` again
-  }
-}
-
-/// The 8-bit step. A group of kLanes threads steps one quantization block (a unit) at a time, each lane
-/// kPerLane elements kLanes apart, so every load and store of a warp is contiguous. All loads of a unit are
-/// issued before any store (parameters, gradients and codes may alias as far as the compiler knows), which
-/// keeps kPerLane loads per array in flight per thread.
-template <typename T, Rule R, int kLanes, int kPerLane>
-__global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step8_kernel(const LaunchArgs a) {
-  if (a.found_inf != nullptr && *a.found_inf != 0.0f) return;
-  constexpr bool kSecond = has_second_moment(R);
-  constexpr int kGroups = kThreads / kLanes;  // groups per thread block
-  __shared__ std::uint32_t shared[2 * kThreads / 32];
-  const float scale = a.inv_scale != nullptr ? *a.inv_scale : 1.0f;
-  const CodeBook& sb = *a.signed_book;
-  const CodeBook& ub = *a.unsigned_book;
-  const int lane = static_cast<int>(threadIdx.x) % kLanes;
-  const std::int64_t units = a.first_unit[a.count];
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kGroups;
-  // the loop is uniform over each group: its shuffles and barriers see every thread of the group
-  for (std::int64_t unit = static_cast<std::int64_t>(blockIdx.x) * kGroups + threadIdx.x / kLanes;
-       unit < units; unit += stride) {
-    const int t = tensor_of(a, unit);
-    const CudaTensorStep& s = a.tensor[t];
-    const std::int64_t block = unit - a.first_unit[t];
-    const std::int64_t offset = block * a.unit_size;
-    const std::int64_t n = min(a.unit_size, s.numel - offset);
-    T* param = static_cast<T*>(s.param) + offset;
-    const T* grad = static_cast<const T*>(s.grad) + offset;
-    std::uint8_t* mq = static_cast<std::uint8_t*>(s.m) + offset;
-    std::uint8_t* vq = kSecond ? static_cast<std::uint8_t*>(s.v) + offset : nullptr;
-    const float absmax_m = s.absmax_m[block];
-    const float absmax_v = kSecond ? s.absmax_v[block] : 0.0f;
-
-    T p[kPerLane], g[kPerLane];
-    std::uint8_t mc[kPerLane], vc[kPerLane];
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      if (i < n) {
-        p[k] = param[i];
-        g[k] = grad[i];
-        mc[k] = mq[i];
-        vc[k] = kSecond ? vq[i] : std::uint8_t{0};
-      }
-    }
-    float m[kPerLane], v[kPerLane];
-    std::uint32_t max_m = 0, max_v = 0;
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      m[k] = 0.0f;
-      v[k] = 0.0f;
-      if (i < n) {
-        float x = to_float(p[k]);
-        m[k] = sb.code[mc[k]] * absmax_m;
-        if (kSecond) v[k] = ub.code[vc[k]] * absmax_v;
-        update<R>(x, to_float(g[k]) * scale, m[k], v[k], s.scalars);
-        param[i] = from_float<T>(x);
-        max_m = max(max_m, to_bits(m[k]) & 0x7fffffffu);
-        max_v = max(max_v, to_bits(v[k]) & 0x7fffffffu);
-      }
-    }
-    group_max<kLanes>(max_m, max_v, shared);
-    const float new_max_m = bits_to_float(max_m);
-    const float new_max_v = bits_to_float(max_v);
-    if (lane == 0) {
-      s.absmax_m[block] = new_max_m;
-      if (kSecond) s.absmax_v[block] = new_max_v;
-    }
-    const float scale_m = block_scale(new_max_m);
-    const float scale_v = block_scale(new_max_v);
-#pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-      const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      if (i < n) {
-        mq[i] = quantize(sb, m[k] * scale_m);
-        if (kSecond) vq[i] = quantize(ub, v[k] * scale_v);
-      }
-    }
-  }
-}
-
-/// The fp32-state step: a unit is kThreads * kPerThread32 elements, each thread's kPerThread32 of them
-/// kThreads apart, all loaded before any is stored.
-template <typename T, Rule R>
-__global__ void __launch_bounds__(kThreads) step32_kernel(const LaunchArgs a) {
-  if (a.found_inf != nullptr && *a.found_inf != 0.0f) return;
-  constexpr bool kSecond = has_second_moment(R);
-  const float scale = a.inv_scale != nullptr ? *a.inv_scale : 1.0f;
-  const std::int64_t units = a.first_unit[a.count];
-  for (std::int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    const int t = tensor_of(a, unit);
-    const CudaTensorStep& s = a.tensor[t];
-    const std::int64_t offset = (unit - a.first_unit[t]) * a.unit_size;
-    const std::int64_t n = min(a.unit_size, s.numel - offset);
-    T* param = static_cast<T*>(s.param) + offset;
-    const T* grad = static_cast<const T*>(s.grad) + offset;
-    float* mp = static_cast<float*>(s.m) + offset;
-    float* vp = kSecond ? static_cast<float*>(s.v) + offset : nullptr;
-    T p[kPerThread32], g[kPerThread32];
-    float m[kPerThread32], v[kPerThread32];
-#pragma unroll
-    for (int k = 0; k < kPerThread32; ++k) {
-      const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * kThreads;
-      if (i < n) {
-        p[k] = param[i];
-        g[k] = grad[i];
-        m[k] = mp[i];
-        v[k] = kSecond ? vp[i] : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < kPerThread32; ++k) {
-      const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * kThreads;
-      if (i < n) {
-        float x = to_float(p[k]);
-        update<R>(x, to_float(g[k]) * scale, m[k], v[k], s.scalars);
-        param[i] = from_float<T>(x);
-        mp[i] = m[k];
-        if (kSecond) vp[i] = v[k];
-      }
-    }
-  }
-}
-
-/// Launches `kernel` for `units` units, `groups` of them at a time per thread block: no more thread blocks
-/// than the device holds at once (the kernels stride over the remaining units).
-template <typename Kernel>
-cudaError_t launch(Kernel kernel, std::int64_t units, int groups, const LaunchArgs& args,
-                   cudaStream_t stream) {
-  int device = 0, multiprocessors = 0, resident = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error == cudaSuccess)
-    error = cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-  if (error == cudaSuccess)
-    error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0);
-  if (error != cudaSuccess) return error;
-  const std::int64_t wanted = (units + groups - 1) / groups;
-  const std::int64_t most = static_cast<std::int64_t>(std::max(resident, 1)) * std::max(multiprocessors, 1);
-  launches.fetch_add(1, std::memory_order_relaxed);
-  kernel<<<static_cast<int>(std::min(wanted, most)), kThreads, 0, stream>>>(args);
-  return cudaGetLastError();
-}
-
-template <typename T, Rule R>
-cudaError_t launch_typed(const CudaStep& step, const LaunchArgs& args, cudaStream_t stream) {
-  const std::int64_t units = args.first_unit[args.count];
-  if (units == 0) return cudaSuccess;
-  if (!step.quantized) return launch(step32_kernel<T, R>, units, 1, args, stream);
-  if (step.block_size <= kWarpBlock)
-    return launch(step8_kernel<T, R, 32, kWarpBlock / 32>, units, kThreads / 32, args, stream);
-  return launch(step8_kernel<T, R, kThreads, kMaxBlock / kThreads>, units, 1, args, stream);
-}
-
-/// The one list of instantiations: storage type × rule.
-template <typename T>
-cudaError_t launch_rule(const CudaStep& step, const LaunchArgs& args, cudaStream_t stream) {
-  switch (step.rule) {
-    case Rule::kAdam:
-      return launch_typed<T, Rule::kAdam>(step, args, stream);
-    case Rule::kAdamW:
-      return launch_typed<T, Rule::kAdamW>(step, args, stream);
-    case Rule::kLion:
-      return launch_typed<T, Rule::kLion>(step, args, stream);
-    case Rule::kSgd:
-      return launch_typed<T, Rule::kSgd>(step, args, stream);
-  }
-  return cudaErrorInvalidValue;
-}
 
 }  // namespace
 
 std::int64_t cuda_step_launches() { return launches.load(std::memory_order_relaxed); }
 
 int launch_step_cuda(const CudaStep& step, void* stream) {
-  if (step.quantized && (step.block_size < 1 || step.block_size > kMaxBlock))
-    return static_cast<int>(cudaErrorInvalidValue);
-  const auto cuda_stream = static_cast<cudaStream_t>(stream);
-  for (int first = 0; first < step.count; first += kMaxLaunchTensors) {
-    LaunchArgs args{};
-    args.count = std::min(kMaxLaunchTensors, step.count - first);
-    args.unit_size = step.quantized ? step.block_size : kThreads * kPerThread32;
-    args.signed_book = step.signed_book;
-    args.unsigned_book = step.unsigned_book;
-    args.inv_scale = step.inv_scale;
-    args.found_inf = step.found_inf;
-    args.first_unit[0] = 0;
-    for (int t = 0; t < args.count; ++t) {
-      args.tensor[t] = step.tensors[first + t];
-      args.first_unit[t + 1] =
-          args.first_unit[t] + (args.tensor[t].numel + args.unit_size - 1) / args.unit_size;
-    }
-    cudaError_t error = cudaErrorInvalidValue;
-    switch (step.dtype) {
-      case DType::kFloat32:
-        error = launch_rule<float>(step, args, cuda_stream);
-        break;
-      case DType::kBFloat16:
-        error = launch_rule<BFloat16>(step, args, cuda_stream);
-        break;
-      case DType::kFloat16:
-        error = launch_rule<Float16>(step, args, cuda_stream);
-        break;
-    }
-    if (error != cudaSuccess) return static_cast<int>(error);
-  }
-  return 0;
+  StreamLaunch launch{static_cast<cudaStream_t>(stream)};
+  return step_with(step, launch);
 }
 
 }  // namespace memsave::kernels
