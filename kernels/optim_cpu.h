@@ -4,6 +4,7 @@
 #pragma once
 
 #include "dtypes.h"
+#include "qmap.h"
 #include "update_math.h"
 
 #include <cstdint>
@@ -44,6 +45,11 @@ struct Step8 {
 void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end);
 /// Updates blocks [block_begin, block_end): dequantize, update, new block absmax, requantize, in one pass.
 void step8_cpu(const Step8& step, std::int64_t block_begin, std::int64_t block_end);
+
+/// codes[i] = the nearest code of values[i] * scale, as qmap.h's `quantize` gives it, with the vector code of
+/// the step kernels (for tests that hold it to the scalar rule on any values).
+void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,
+                  std::int64_t n);
 
 /// The instruction set the CPU kernels run with here: "avx512", "avx2" or "baseline".
 const char* cpu_kernel_isa();

@@ -59,55 +59,36 @@ inline void quantize_run(const CodeBook& book, const float* __restrict values, f
   std::int64_t i = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
   const int* table = reinterpret_cast<const int*>(book.cell);
-  constexpr int kTop = kLutLowestExponent + kLutExponentSlots - 1;
 #endif
 #if defined(__AVX512F__)
   const __m512 factor = _mm512_set1_ps(scale);
-  const __m512i magnitude_bits = _mm512_set1_epi32(0x7fffffff), tail_bits = _mm512_set1_epi32(0xffff);
-  const __m512i full = _mm512_set1_epi32((1 << kLutMantissaBits) - 1), byte = _mm512_set1_epi32(0xff);
-  const __m512i lowest = _mm512_set1_epi32(kLutLowestExponent), top = _mm512_set1_epi32(kTop);
-  const __m512i zero = _mm512_setzero_si512(), one = _mm512_set1_epi32(1), mirror = _mm512_set1_epi32(254);
+  const __m512i magnitude_bits = _mm512_set1_epi32(0x7fffffff), low_bits = _mm512_set1_epi32(0xffff);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(kLutTopMagnitude));
+  const __m512i first = _mm512_set1_epi32(kLutFirstCell), zero = _mm512_setzero_si512();
+  const __m512i mirror = _mm512_set1_epi32(254);
   for (; i + 16 <= n; i += 16) {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + i), factor));
-    const __m512i magnitude = _mm512_and_si512(bits, magnitude_bits);
-    __m512i exponent = _mm512_srli_epi32(magnitude, 23);
-    const __mmask16 beyond = _mm512_cmpgt_epi32_mask(exponent, top);
-    const __m512i mantissa = _mm512_mask_mov_epi32(
-        _mm512_and_si512(_mm512_srli_epi32(magnitude, 23 - kLutMantissaBits), full), beyond, full);
-    const __m512i tail = _mm512_mask_mov_epi32(_mm512_and_si512(magnitude, tail_bits), beyond, tail_bits);
-    exponent = _mm512_min_epi32(_mm512_max_epi32(exponent, lowest), top);
-    const __m512i cell =
-        _mm512_or_si512(_mm512_slli_epi32(_mm512_sub_epi32(exponent, lowest), kLutMantissaBits), mantissa);
+    const __m512i magnitude = _mm512_min_epu32(_mm512_and_si512(bits, magnitude_bits), top);
+    const __m512i cell = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(magnitude, 16), first), zero);
     const __m512i entry = _mm512_i32gather_epi32(cell, table, 4);
-    const __m512i low = _mm512_and_si512(entry, byte);
-    __m512i code =
-        _mm512_mask_add_epi32(low, _mm512_cmpge_epi32_mask(tail, _mm512_srli_epi32(entry, 15)), low, one);
-    const __mmask16 negative = _mm512_cmplt_epi32_mask(bits, zero);
-    code = _mm512_mask_mov_epi32(
-        code, negative, book.is_signed ? _mm512_max_epi32(_mm512_sub_epi32(mirror, code), zero) : zero);
+    __m512i code = _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(magnitude, low_bits)), 16);
+    const __mmask16 negative = _mm512_movepi32_mask(bits);
+    code = book.is_signed ? _mm512_mask_max_epi32(code, negative, _mm512_sub_epi32(mirror, code), zero)
+                          : _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), code);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
   }
 #elif defined(__AVX2__)
   const __m256 factor = _mm256_set1_ps(scale);
-  const __m256i magnitude_bits = _mm256_set1_epi32(0x7fffffff), tail_bits = _mm256_set1_epi32(0xffff);
-  const __m256i full = _mm256_set1_epi32((1 << kLutMantissaBits) - 1), byte = _mm256_set1_epi32(0xff);
-  const __m256i lowest = _mm256_set1_epi32(kLutLowestExponent), top = _mm256_set1_epi32(kTop);
-  const __m256i zero = _mm256_setzero_si256(), mirror = _mm256_set1_epi32(254);
+  const __m256i magnitude_bits = _mm256_set1_epi32(0x7fffffff), low_bits = _mm256_set1_epi32(0xffff);
+  const __m256i top = _mm256_set1_epi32(static_cast<int>(kLutTopMagnitude));
+  const __m256i first = _mm256_set1_epi32(kLutFirstCell), zero = _mm256_setzero_si256();
+  const __m256i mirror = _mm256_set1_epi32(254);
   for (; i + 8 <= n; i += 8) {
     const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(values + i), factor));
-    const __m256i magnitude = _mm256_and_si256(bits, magnitude_bits);
-    __m256i exponent = _mm256_srli_epi32(magnitude, 23);
-    const __m256i beyond = _mm256_cmpgt_epi32(exponent, top);
-    const __m256i mantissa = _mm256_blendv_epi8(
-        _mm256_and_si256(_mm256_srli_epi32(magnitude, 23 - kLutMantissaBits), full), full, beyond);
-    const __m256i tail = _mm256_blendv_epi8(_mm256_and_si256(magnitude, tail_bits), tail_bits, beyond);
-    exponent = _mm256_min_epi32(_mm256_max_epi32(exponent, lowest), top);
-    const __m256i cell =
-        _mm256_or_si256(_mm256_slli_epi32(_mm256_sub_epi32(exponent, lowest), kLutMantissaBits), mantissa);
+    const __m256i magnitude = _mm256_min_epu32(_mm256_and_si256(bits, magnitude_bits), top);
+    const __m256i cell = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(magnitude, 16), first), zero);
     const __m256i entry = _mm256_i32gather_epi32(table, cell, 4);
-    const __m256i below = _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 15), tail);  // -1 where it stays
-    __m256i code =
-        _mm256_add_epi32(_mm256_and_si256(entry, byte), _mm256_add_epi32(below, _mm256_set1_epi32(1)));
+    __m256i code = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(magnitude, low_bits)), 16);
     const __m256i negative = _mm256_srai_epi32(bits, 31);
     const __m256i mirrored = book.is_signed ? _mm256_max_epi32(_mm256_sub_epi32(mirror, code), zero) : zero;
     code = _mm256_blendv_epi8(code, mirrored, negative);
@@ -205,5 +186,8 @@ void dispatch(const Step& s, std::int64_t begin, std::int64_t end) {
 
 void step32(const Step32& s, std::int64_t begin, std::int64_t end) { dispatch<Step32Kernel>(s, begin, end); }
 void step8(const Step8& s, std::int64_t begin, std::int64_t end) { dispatch<Step8Kernel>(s, begin, end); }
+void quantize(const CodeBook& book, const float* values, float scale, std::uint8_t* codes, std::int64_t n) {
+  quantize_run(book, values, scale, codes, n);
+}
 
 }  // namespace memsave::kernels::MEMSAVE_CPU_ISA

@@ -95,7 +95,7 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes) {
                : std::nextafter(end, 0.0f);
     }
     const int first = nearest(codes, lo), last = nearest(codes, hi);
-    std::uint32_t threshold = kNoBoundary;
+    std::uint32_t threshold = 0x10000u;  // no boundary in the cell
     if (last == first + 1) {
       // the smallest float in the cell whose nearest code is `last`
       const double mid = (static_cast<double>(codes[first]) + codes[last]) / 2;  // exact in double
@@ -111,7 +111,7 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes) {
       throw std::invalid_argument("make_code_book: codes too dense for the search table near " +
                                   std::to_string(lo));
     }
-    book.cell[cell] = static_cast<std::uint32_t>(first) | (threshold << 15);
+    book.cell[cell] = (static_cast<std::uint32_t>(first) << 16) + (0x10000u - threshold);
   }
   return book;
 }

@@ -6,10 +6,11 @@
 // book: a block holding a NaN or an infinity has a non-finite absmax, so it dequantizes to non-finite values
 // and the fault stays visible.
 //
-// The search is one table look-up and one integer comparison. The magnitude's exponent and top 7 mantissa
+// The search is one table look-up and one integer addition. The magnitude's exponent and top 7 mantissa
 // bits index a table (one cell per 1/128 of a binade); each entry holds the lowest code any magnitude in its
 // cell rounds to and, when the cell holds the boundary to the next code, the low 16 mantissa bits of the
-// smallest magnitude that rounds up (the exact midpoint with its tie rule). Negative values use the mirror
+// smallest magnitude that rounds up (the exact midpoint with its tie rule), encoded so that adding the
+// magnitude's own low 16 bits carries into the code exactly when it rounds up. Negative values use the mirror
 // image: the signed book is symmetric around 0 (code 127) but for its final 1.0, and the unsigned book takes
 // them to 0.
 #pragma once
@@ -24,37 +25,35 @@ namespace memsave::kernels {
 
 inline constexpr int kCodes = 256;
 inline constexpr int kLutMantissaBits = 7;
-/// Exponent slots: slot 0 holds every |x| < 2^-25 (nearer zero than to any code of the books used here),
-/// slots 1..26 the binades [2^-25, 2^-24) ... [1, 2), the last one also everything larger, infinities and
-/// NaN.
+/// Exponent slots: slot 0 holds every |x| < 2^-25 (nearer zero than to any code of the books used here; its
+/// cells are all alike, and smaller magnitudes use its first), slots 1..26 the binades [2^-25, 2^-24) ... [1,
+/// 2), the last one also everything larger, infinities and NaN.
 inline constexpr int kLutLowestExponent = 101;  // biased exponent of slot 0
 inline constexpr int kLutExponentSlots = 27;
 inline constexpr int kLutCells = kLutExponentSlots << kLutMantissaBits;
-/// An entry's threshold (bits 15..31) when its cell holds no boundary: above every 16-bit mantissa tail.
-inline constexpr std::uint32_t kNoBoundary = 0x10000u;
+/// The cell index is the magnitude's bits above its low 16 (exponent and top 7 mantissa bits), less this.
+inline constexpr std::int32_t kLutFirstCell = kLutLowestExponent << kLutMantissaBits;
+/// Magnitudes above this (2 and beyond, infinities, NaN) are searched as this one: the top cell's end.
+inline constexpr std::uint32_t kLutTopMagnitude =
+    (static_cast<std::uint32_t>(kLutLowestExponent + kLutExponentSlots - 1) << 23) | 0x7fffffu;
+static_assert(23 - kLutMantissaBits == 16, "a cell is a magnitude's bits above its low 16");
 
 struct CodeBook {
-  float code[kCodes];             ///< ascending
-  std::uint32_t cell[kLutCells];  ///< bits 0..7: lowest code of the cell; bits 15..31: threshold (see above)
+  float code[kCodes];  ///< ascending
+  /// Per cell: (lowest code << 16) + (0x10000 - t), where t is the low 16 bits of the smallest magnitude in
+  /// the cell that rounds to the next code, or 0x10000 when every magnitude of the cell rounds to the lowest.
+  /// A magnitude's code is then (entry + its low 16 bits) >> 16.
+  std::uint32_t cell[kLutCells];
   std::int32_t is_signed;  ///< 1: symmetric signed book (code 127 is 0); 0: unsigned book (code 0 is 0)
 };
 
 /// The exact nearest code of x (see the file comment for ties, NaN and range).
 MEMSAVE_HD std::uint8_t quantize(const CodeBook& book, float x) {
   const std::uint32_t bits = to_bits(x);
-  const std::uint32_t magnitude = bits & 0x7fffffffu;
-  std::int32_t exponent = static_cast<std::int32_t>(magnitude >> 23);
-  std::uint32_t mantissa = (magnitude >> (23 - kLutMantissaBits)) & ((1u << kLutMantissaBits) - 1u);
-  std::uint32_t tail = magnitude & 0xffffu;
-  const std::int32_t top = kLutLowestExponent + kLutExponentSlots - 1;
-  if (exponent > top) {  // beyond 2, infinities, NaN: the top cell's end
-    mantissa = (1u << kLutMantissaBits) - 1u;
-    tail = 0xffffu;
-  }
-  exponent = exponent < kLutLowestExponent ? kLutLowestExponent : (exponent > top ? top : exponent);
-  const std::uint32_t entry =
-      book.cell[(static_cast<std::uint32_t>(exponent - kLutLowestExponent) << kLutMantissaBits) | mantissa];
-  const std::int32_t up = (entry & 0xffu) + static_cast<std::int32_t>(tail >= (entry >> 15));
+  std::uint32_t magnitude = bits & 0x7fffffffu;
+  if (magnitude > kLutTopMagnitude) magnitude = kLutTopMagnitude;
+  const std::int32_t cell = static_cast<std::int32_t>(magnitude >> 16) - kLutFirstCell;  // < 0: slot 0
+  const std::uint32_t up = (book.cell[cell < 0 ? 0 : cell] + (magnitude & 0xffffu)) >> 16;
   if ((bits >> 31) == 0u) return static_cast<std::uint8_t>(up);
   if (book.is_signed == 0) return 0;
   return static_cast<std::uint8_t>(up > 254 ? 0

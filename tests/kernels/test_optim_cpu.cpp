@@ -263,6 +263,50 @@ TEST(Step8, ANonFiniteGradientPoisonsOnlyItsBlock) {
   EXPECT_TRUE(std::isfinite(p[300]));
 }
 
+TEST(Step8, VectorQuantizeIsTheScalarRuleOnAnyValue) {
+  // Every bit pattern is fair game here (NaN, infinities, magnitudes beyond 1 and 2, subnormals, negative
+  // values for the unsigned book), plus the values a block really holds, through every vector width and tail.
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::uint32_t> any_bits;
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> exponent(-30, 1);
+  constexpr std::int64_t n = (1 << 20) + 13;
+  std::vector<float> values(n);
+  for (std::int64_t i = 0; i < n; ++i) {
+    values[i] = i % 2 == 0 ? bit_cast<float>(any_bits(rng)) : std::ldexp(unit(rng), exponent(rng));
+  }
+  const float specials[] = {0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            2.0f,
+                            -2.0f,
+                            INFINITY,
+                            -INFINITY,
+                            NAN,
+                            -NAN,
+                            std::nextafter(1.0f, 2.0f),
+                            std::nextafter(2.0f, 0.0f),
+                            1e-45f,
+                            -1e-45f,
+                            0x1p-25f,
+                            std::nextafter(0x1p-25f, 0.0f)};
+  for (std::size_t k = 0; k < sizeof(specials) / sizeof(float); ++k) values[k] = specials[k];
+  std::vector<std::uint8_t> vector_codes(n), scalar_codes(n);
+  for (const CodeBook* book : {&signed_code_book(), &unsigned_code_book()}) {
+    for (const float scale : {1.0f, 0.75f, 3.0f, 1e30f}) {
+      SCOPED_TRACE(std::string(book->is_signed ? "signed" : "unsigned") + " book, scale " +
+                   std::to_string(scale));
+      quantize_cpu(*book, values.data(), scale, vector_codes.data(), n);
+      for (std::int64_t i = 0; i < n; ++i) scalar_codes[i] = quantize(*book, values[i] * scale);
+      for (std::int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(vector_codes[i], scalar_codes[i]) << "value " << std::hexfloat << values[i] << " at "
+                                                    << std::dec << i << " (" << cpu_kernel_isa() << ")";
+      }
+    }
+  }
+}
+
 TEST(Step32, GradScaleMultipliesTheGradientFirst) {
   std::vector<float> p1(64, 0.5f), p2(64, 0.5f), g(64), gs(64), m1(64, 0.0f), v1(64, 0.0f), m2(64, 0.0f),
       v2(64, 0.0f);
