@@ -13,6 +13,8 @@ import torch
 N = 256       # elements of the optimizer trajectories
 STEPS = 100   # steps of each trajectory
 RECORDED = (1, 10, 100)
+LATE_START = 20000  # Adam's steps counted from here after the trajectory: 1 - beta2^t rounds to 1 in float
+LATE_STEPS = 10
 
 
 def hexes(t):
@@ -88,6 +90,15 @@ def main():
         for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
             if key in state:
                 lines.append(f"{name}.{key}.{STEPS} " + hexes(state[key]))
+        if "exp_avg_sq" in state:
+            # late in training: the same state, its step count moved to LATE_START, LATE_STEPS more steps
+            state["step"] = torch.tensor(float(LATE_START))
+            for step in range(1, LATE_STEPS + 1):
+                p.grad = gradient(STEPS + step)
+                opt.step()
+            lines.append(f"{name}.late.params " + hexes(p.detach()))
+            for key in ("exp_avg", "exp_avg_sq"):
+                lines.append(f"{name}.late.{key} " + hexes(state[key]))
     scales, trackers, stepped, params = scaler_sequence()
     lines.append("scaler.scale " + hexes(torch.tensor(scales)))
     lines.append("scaler.tracker " + hexes(torch.tensor(trackers)))
