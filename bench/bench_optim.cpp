@@ -1,7 +1,6 @@
 // One optimizer step on 2^24 fp32 parameters (one tensor) with the threads LibTorch is given (2 by default):
 // LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
-// memsave's fused fp32 AdamW and its 8-bit AdamW (also late in training); and the machine's memory bandwidth,
-// for the floor.
+// memsave's fused fp32 AdamW and its 8-bit AdamW; and the machine's memory bandwidth, for the floor.
 // bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
 #include <memsave/memory.h>
 #include <memsave/optim.h>
@@ -26,21 +25,15 @@ struct Problem {
 };
 
 /// Runs `step` as the benchmark body and reports the state's bytes per parameter as the meter counted them.
-/// `after_first` runs once after the first (untimed) step, which creates the state.
-template <typename Step, typename AfterFirst>
-void run(benchmark::State& state, Step&& step, int64_t floor_bytes_per_param, AfterFirst&& after_first) {
+template <typename Step>
+void run(benchmark::State& state, Step&& step, int64_t floor_bytes_per_param) {
   const int64_t before = memsave::memory_stats(torch::kCPU).current;
-  step();
+  step();  // the first step creates the state
   const int64_t state_total = memsave::memory_stats(torch::kCPU).current - before;
-  after_first();
   for (auto _ : state) step();
   state.counters["state_bytes_per_param"] = static_cast<double>(state_total) / kParams;
   state.counters["floor_bytes_per_param"] = static_cast<double>(floor_bytes_per_param);
   state.counters["params"] = static_cast<double>(kParams);
-}
-template <typename Step>
-void run(benchmark::State& state, Step&& step, int64_t floor_bytes_per_param) {
-  run(state, step, floor_bytes_per_param, [] {});
 }
 
 /// Memory-bandwidth probes with LibTorch's own kernels on the same threads, over 256 MiB arrays; the report
@@ -109,20 +102,6 @@ void BM_MemsaveAdamW8bit(benchmark::State& state) {
       state, [&] { opt.step(); }, 16);
 }
 
-/// The 8-bit step late in training: from about step 16600 (beta2 0.999) 1 - beta2^t rounds to 1 in float and
-/// the kernels leave out the division by its square root (the same bits).
-void BM_MemsaveAdamW8bitLate(benchmark::State& state) {
-  Problem problem;
-  memsave::optim::AdamW8bit opt(std::vector<torch::Tensor>{problem.param},
-                                memsave::optim::AdamW8bitOptions(1e-3));
-  run(
-      state, [&] { opt.step(); }, 16,
-      [&] {
-        auto& s = opt.state().at(problem.param.unsafeGetTensorImpl());
-        static_cast<memsave::optim::QuantizedParamState&>(*s).step(20000);
-      });
-}
-
 BENCHMARK(BM_BandwidthRead)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthCopy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthInPlace)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -130,7 +109,6 @@ BENCHMARK(BM_TorchOptimAdam)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_TorchFusedAdamW)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW8bit)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_MemsaveAdamW8bitLate)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -28,7 +28,6 @@ def main(cpp_path, peers_path, command):
         "BM_TorchFusedAdamW": "LibTorch at::_fused_adamw_ (C++)",
         "BM_MemsaveAdamW32": "memsave AdamW8bit, fp32 state (fused)",
         "BM_MemsaveAdamW8bit": "memsave AdamW8bit, 8-bit state",
-        "BM_MemsaveAdamW8bitLate": "memsave AdamW8bit, 8-bit state, step 20000 on",
     }
     table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items()]
     for peer in peers:

@@ -76,9 +76,7 @@ MEMSAVE_HD void update(float& p, float g, float& m, float& v, const StepScalars&
     m = fmaf(s.one_minus_beta1, g - m, m);  // exp_avg.lerp_(grad, 1 - beta1)
     v = fmaf(s.one_minus_beta2 * g, g,
              v * s.beta2);  // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)
-    // x / 1 == x: once 1 - beta2^t rounds to 1 the division drops out, bits unchanged
-    const float root = sqrtf(v);
-    const float denom = (s.bias2_sqrt == 1.0f ? root : root / s.bias2_sqrt) + s.eps;
+    const float denom = sqrtf(v) / s.bias2_sqrt + s.eps;
     p = p + (s.neg_step_size * m) / denom;  // param.addcdiv_(exp_avg, denom, value=-step_size)
   } else if constexpr (R == Rule::kLion) {
     p = p * s.decay;

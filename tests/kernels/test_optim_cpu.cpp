@@ -87,8 +87,7 @@ TEST(Step32, MatchesPyTorchOptimizersOver100Steps) {
     }
     EXPECT_LE(relative_error(m, golden(c.name + ".exp_avg.100")), 1e-6);
     EXPECT_LE(relative_error(v, golden(c.name + ".exp_avg_sq.100")), 1e-6);
-    // Late in training (the script moves the step count to 20000): both bias corrections round to 1, and the
-    // division by the second one drops out of the kernels.
+    // Late in training (the script moves the step count to 20000): both bias corrections round to 1.
     for (int t = 20001; t <= 20010; ++t) {
       std::vector<float> g = golden_gradient(100 + t - 20000);
       Step32 step;

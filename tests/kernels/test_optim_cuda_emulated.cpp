@@ -131,7 +131,7 @@ void next_step(const Case& s, std::vector<Tensor>& tensors, int t, std::mt19937&
     for (std::int64_t i = 0; i < x.numel; ++i)
       store(s.dtype, x.grad, i, normal(rng) * (i % 5 == 0 ? 1e-3f : 1.0f));
     // each tensor at its own step count; every third one late in training, where Adam's bias corrections
-    // round to 1 and the CPU kernels leave out a division
+    // round to 1
     const int step = k % 3 == 2 ? 20000 + t : t + static_cast<int>(k % 3);
     switch (s.rule) {
       case Rule::kAdam:
