@@ -14,8 +14,7 @@ static_assert(kInvalidValue == static_cast<int>(cudaErrorInvalidValue));
 
 std::atomic<std::int64_t> launches{0};
 
-/// Launches kernels on one stream: `groups` units per thread block, no more thread blocks than the device
-/// holds at once (the kernels stride over the remaining units).
+/// Launches kernels on one stream, with no more thread blocks than the device holds at once.
 struct StreamLaunch {
   cudaStream_t stream;
 
@@ -28,10 +27,9 @@ struct StreamLaunch {
     if (error == cudaSuccess)
       error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0);
     if (error != cudaSuccess) return static_cast<int>(error);
-    const std::int64_t wanted = (units + groups - 1) / groups;
     const std::int64_t most = static_cast<std::int64_t>(std::max(resident, 1)) * std::max(multiprocessors, 1);
     launches.fetch_add(1, std::memory_order_relaxed);
-    kernel<<<static_cast<int>(std::min(wanted, most)), kThreads, 0, stream>>>(args);
+    kernel<<<grid_blocks(units, groups, most), kThreads, 0, stream>>>(args);
     return static_cast<int>(cudaGetLastError());
   }
 };

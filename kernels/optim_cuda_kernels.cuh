@@ -193,6 +193,13 @@ __global__ void __launch_bounds__(kThreads) step32_kernel(const LaunchArgs a) {
   }
 }
 
+/// Thread blocks of a launch of `units` units, `groups` of them per block: no more than `resident`, what the
+/// device runs at once (the kernels stride over the remaining units).
+inline int grid_blocks(std::int64_t units, int groups, std::int64_t resident) {
+  const std::int64_t wanted = (units + groups - 1) / groups;
+  return static_cast<int>(wanted < resident ? wanted : resident);
+}
+
 /// The kernel for one step's storage type, rule and state, handed to `launch(kernel, units, groups, args)`
 /// with the number of units and how many of them one thread block steps at a time.
 template <typename T, Rule R, typename Launch>

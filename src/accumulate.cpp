@@ -134,11 +134,16 @@ WindowStep GradientAccumulator::step() {
   result.items = items_;
   result.loss = loss_sum_.item<double>() / items_;
   result.micro_batches = micro_batches_;
-  discard();
+  reset();  // the optimizer's step has taken in what the backwards did: nothing of theirs to discard
   return result;
 }
 
 void GradientAccumulator::discard() {
+  if (offload_) offload_->discard_backward();
+  reset();
+}
+
+void GradientAccumulator::reset() {
   optimizer_.zero_grad();
   micro_batches_ = 0;
   items_ = 0;
@@ -146,10 +151,7 @@ void GradientAccumulator::discard() {
   normalizer_.reset();
   announced_ = false;
   stepped_in_backward_ = false;
-  if (offload_) {
-    offload_->discard_backward();
-    offload_->defer_gradient_copies(false);
-  }
+  if (offload_) offload_->defer_gradient_copies(false);
 }
 
 }  // namespace memsave

@@ -84,6 +84,9 @@ class GradientAccumulator {
   const AccumulateOptions& options() const { return options_; }
 
  private:
+  /// Forgets the window (gradients, counts, normalizer) after its step or its discard.
+  void reset();
+
   torch::optim::Optimizer& optimizer_;
   AccumulateOptions options_;
   amp::GradScaler* scaler_;

@@ -30,8 +30,7 @@ struct EmulatedLaunch {
   template <typename Kernel>
   int operator()(Kernel kernel, std::int64_t units, int groups, const LaunchArgs& args) {
     ++launches;
-    const std::int64_t wanted = (units + groups - 1) / groups;
-    simt::run(kernel, static_cast<int>(std::min(wanted, resident)), kThreads, args);
+    simt::run(kernel, grid_blocks(units, groups, resident), kThreads, args);
     return 0;
   }
 };
