@@ -4,10 +4,9 @@
 // Why: LibTorch hands a float tensor's tanh (exp, sqrt, ...) to VML chunk by chunk from its intra-op threads.
 // The oneMKL of the pip wheels (2024.2) chooses a VML function's kernel on its first call; when that first
 // call runs on several threads at once, one thread can compute its whole chunk with a low-accuracy kernel
-// (pytorch/pytorch#188792; here tanh off by up to 9e-5 on elements 2048-4095 of a 32×128 activation). A
-// fresh process meets it in its first forward, in about 1% of runs on a loaded 2-core machine, and a test
-// that compares two models bit for bit then fails although memsave did nothing wrong. After one call each,
-// every later call gets the right kernel.
+// (pytorch/pytorch#188792; bench/RESULTS-vml.md: tanh off by up to 9e-5 on elements 2048-4095 of a 32×128
+// activation in 2-7 of 480 fresh processes, none after one call on one element). A test that compares two
+// models bit for bit then fails although memsave did nothing wrong.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
