@@ -1,7 +1,7 @@
 // One optimizer step on 2^24 fp32 parameters (one tensor) with the threads LibTorch is given (2 by default):
 // LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
-// memsave's fused fp32 AdamW and its 8-bit AdamW; and the machine's memory bandwidth, for the floor.
-// bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
+// memsave's fused fp32 AdamW, its 8-bit AdamW and its 4-bit AdamW; and the machine's memory bandwidth, for
+// the floor. bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
 #include <memsave/memory.h>
 #include <memsave/optim.h>
 
@@ -102,6 +102,14 @@ void BM_MemsaveAdamW8bit(benchmark::State& state) {
       state, [&] { opt.step(); }, 16);
 }
 
+void BM_MemsaveAdamW4bit(benchmark::State& state) {
+  Problem problem;
+  memsave::optim::AdamW4bit opt(std::vector<torch::Tensor>{problem.param},
+                                memsave::optim::AdamW4bitOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 14);
+}
+
 BENCHMARK(BM_BandwidthRead)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthCopy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthInPlace)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -109,6 +117,7 @@ BENCHMARK(BM_TorchOptimAdam)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_TorchFusedAdamW)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW8bit)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveAdamW4bit)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

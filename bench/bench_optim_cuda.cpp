@@ -1,7 +1,7 @@
 // The GPU step benchmark (run by scripts/gpu-check.sh): one optimizer step on N fp32 parameters (default
 // 10^9) on the current CUDA device: LibTorch's fused AdamW (at::_fused_adamw_) against memsave's AdamW8bit
-// with fp32 and with 8-bit state, and the device's copy bandwidth for the memory floor. Medians of 10 timed
-// steps after 3 warm-up steps. No Google Benchmark: the GPU machine does not have it.
+// with fp32 and with 8-bit state and its AdamW4bit, and the device's copy bandwidth for the memory floor.
+// Medians of 10 timed steps after 3 warm-up steps. No Google Benchmark: the GPU machine does not have it.
 #include "timing.h"
 
 #include <memsave/memory.h>
@@ -86,6 +86,16 @@ int main(int argc, char** argv) {
     const double seconds = median_seconds([&] { opt.step(); });
     report(quantized ? "memsave AdamW8bit, 8-bit state" : "memsave AdamW8bit, fp32 state", seconds,
            quantized ? 16 : 28, fused, state);
+  }
+  {
+    auto p = torch::randn({n}, on).requires_grad_();
+    p.mutable_grad() = torch::randn({n}, on) * 1e-2;
+    memsave::optim::AdamW4bit opt(std::vector<torch::Tensor>{p}, memsave::optim::AdamW4bitOptions(1e-3));
+    const int64_t before = memsave::memory_stats(device).current;
+    opt.step();
+    const double state =
+        static_cast<double>(memsave::memory_stats(device).current - before) / static_cast<double>(n);
+    report("memsave AdamW4bit, 4-bit state", median_seconds([&] { opt.step(); }), 14, fused, state);
   }
   return 0;
 }

@@ -6,6 +6,7 @@ import sys
 FLOOR_BYTES = {  # bytes moved per parameter by an ideal step: fp32 Adam reads p, g, m, v and writes p, m, v
     "fp32": 28,
     "8bit": 16,   # reads p, g (4 + 4), m, v codes (1 + 1); writes p (4), m, v codes (1 + 1); absmax aside
+    "4bit": 14,   # as 8-bit with half a byte per code
 }
 
 
@@ -28,13 +29,15 @@ def main(cpp_path, peers_path, command):
         "BM_TorchFusedAdamW": "LibTorch at::_fused_adamw_ (C++)",
         "BM_MemsaveAdamW32": "memsave AdamW8bit, fp32 state (fused)",
         "BM_MemsaveAdamW8bit": "memsave AdamW8bit, 8-bit state",
+        "BM_MemsaveAdamW4bit": "memsave AdamW4bit, 4-bit state",
     }
     table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items()]
     for peer in peers:
         if "error" in peer:
             table.append((peer["name"], None, None, None, peer["error"]))
             continue
-        floor = FLOOR_BYTES["8bit"] if peer["state_bytes_per_param"] < 4 else FLOOR_BYTES["fp32"]
+        state = peer["state_bytes_per_param"]
+        floor = FLOOR_BYTES["4bit"] if state < 1.5 else FLOOR_BYTES["8bit"] if state < 4 else FLOOR_BYTES["fp32"]
         table.append((peer["name"], peer["seconds"], peer["state_bytes_per_param"], floor, "its state tensors"))
     bandwidth = max(probes.values())
     base = rows["BM_TorchOptimAdam"]["seconds"]

@@ -63,6 +63,11 @@ def peers():
         return AdamW8bit(p, lr=1e-3)
     yield "torchao AdamW8bit (CPU)", torchao
 
+    def torchao4(p):
+        from torchao.optim import AdamW4bit
+        return AdamW4bit(p, lr=1e-3)
+    yield "torchao AdamW4bit (CPU)", torchao4
+
     def deepspeed(p):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(p, lr=1e-3, adamw_mode=True)

@@ -5,12 +5,12 @@
 
 namespace memsave::kernels {
 
-#define MEMSAVE_DECLARE_ISA(isa)                                                             \
-  namespace isa {                                                                            \
-  void step32(const Step32& step, std::int64_t begin, std::int64_t end);                     \
-  void step8(const Step8& step, std::int64_t block_begin, std::int64_t block_end);           \
-  void quantize(const CodeBook& book, const float* values, float scale, std::uint8_t* codes, \
-                std::int64_t n);                                                             \
+#define MEMSAVE_DECLARE_ISA(isa)                                                                    \
+  namespace isa {                                                                                   \
+  void step32(const Step32& step, std::int64_t begin, std::int64_t end);                            \
+  void step_quantized(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end); \
+  void quantize(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,        \
+                std::int64_t n);                                                                    \
   }
 MEMSAVE_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
@@ -52,12 +52,12 @@ void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end) {
   baseline::step32(step, begin, end);
 }
 
-void step8_cpu(const Step8& step, std::int64_t block_begin, std::int64_t block_end) {
+void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end) {
 #if defined(__x86_64__)
-  if (kIsa == Isa::kAvx512) return avx512::step8(step, block_begin, block_end);
-  if (kIsa == Isa::kAvx2) return avx2::step8(step, block_begin, block_end);
+  if (kIsa == Isa::kAvx512) return avx512::step_quantized(step, block_begin, block_end);
+  if (kIsa == Isa::kAvx2) return avx2::step_quantized(step, block_begin, block_end);
 #endif
-  baseline::step8(step, block_begin, block_end);
+  baseline::step_quantized(step, block_begin, block_end);
 }
 
 void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,

@@ -24,14 +24,14 @@ struct Step32 {
   float grad_scale = 1;  ///< the gradient is multiplied by this first (a GradScaler's 1/scale)
 };
 
-/// One tensor's step with blockwise 8-bit state: codes of the signed book for m, of the unsigned book for v,
-/// one float absmax per block of each.
-struct Step8 {
+/// One tensor's step with blockwise 8-bit or 4-bit state: codes of the signed book for m, of the unsigned
+/// book for v (qmap.h's books of `bits`), one float absmax per block of each.
+struct StepQuantized {
   void* param = nullptr;
   const void* grad = nullptr;
   DType dtype = DType::kFloat32;
-  std::uint8_t* m = nullptr;
-  std::uint8_t* v = nullptr;  ///< Adam rules only
+  std::uint8_t* m = nullptr;  ///< code_bytes(numel, bits) bytes
+  std::uint8_t* v = nullptr;  ///< as m; Adam rules only
   float* absmax_m = nullptr;  ///< one per block
   float* absmax_v = nullptr;
   std::int64_t numel = 0;
@@ -39,12 +39,13 @@ struct Step8 {
   Rule rule = Rule::kAdamW;
   StepScalars scalars;
   float grad_scale = 1;
+  int bits = 8;  ///< 8, or 4 (two codes to a byte, qmap.h's code_bytes)
 };
 
 /// Updates elements [begin, end).
 void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end);
 /// Updates blocks [block_begin, block_end): dequantize, update, new block absmax, requantize, in one pass.
-void step8_cpu(const Step8& step, std::int64_t block_begin, std::int64_t block_end);
+void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end);
 
 /// codes[i] = the nearest code of values[i] * scale, as qmap.h's `quantize` gives it, with the vector code of
 /// the step kernels (for tests that hold it to the scalar rule on any values).

@@ -65,7 +65,7 @@ inline void quantize_run(const CodeBook& book, const float* __restrict values, f
   const __m512i magnitude_bits = _mm512_set1_epi32(0x7fffffff), low_bits = _mm512_set1_epi32(0xffff);
   const __m512i top = _mm512_set1_epi32(static_cast<int>(kLutTopMagnitude));
   const __m512i first = _mm512_set1_epi32(kLutFirstCell), zero = _mm512_setzero_si512();
-  const __m512i mirror = _mm512_set1_epi32(254);
+  const __m512i mirror = _mm512_set1_epi32(book.mirror);
   for (; i + 16 <= n; i += 16) {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + i), factor));
     const __m512i magnitude = _mm512_min_epu32(_mm512_and_si512(bits, magnitude_bits), top);
@@ -82,7 +82,7 @@ inline void quantize_run(const CodeBook& book, const float* __restrict values, f
   const __m256i magnitude_bits = _mm256_set1_epi32(0x7fffffff), low_bits = _mm256_set1_epi32(0xffff);
   const __m256i top = _mm256_set1_epi32(static_cast<int>(kLutTopMagnitude));
   const __m256i first = _mm256_set1_epi32(kLutFirstCell), zero = _mm256_setzero_si256();
-  const __m256i mirror = _mm256_set1_epi32(254);
+  const __m256i mirror = _mm256_set1_epi32(book.mirror);
   for (; i + 8 <= n; i += 8) {
     const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(values + i), factor));
     const __m256i magnitude = _mm256_min_epu32(_mm256_and_si256(bits, magnitude_bits), top);
@@ -107,21 +107,75 @@ inline float absmax_run(const float* __restrict values, std::int64_t n) {
   return bits_to_float(largest);
 }
 
+/// 4-bit codes of n elements (qmap.h's packing) -> one code per byte.
+inline void unpack_codes(const std::uint8_t* __restrict packed, std::uint8_t* __restrict codes,
+                         std::int64_t n) {
+  for (std::int64_t j = 0; j < n / 2; ++j) {
+    codes[2 * j] = static_cast<std::uint8_t>(packed[j] >> 4);
+    codes[2 * j + 1] = static_cast<std::uint8_t>(packed[j] & 0xfu);
+  }
+  if (n % 2 != 0) codes[n - 1] = static_cast<std::uint8_t>(packed[n / 2] >> 4);
+}
+
+/// One code per byte -> 4-bit codes of n elements, two to a byte.
+inline void pack_codes(const std::uint8_t* __restrict codes, std::uint8_t* __restrict packed,
+                       std::int64_t n) {
+  for (std::int64_t j = 0; j < n / 2; ++j) {
+    packed[j] = static_cast<std::uint8_t>((codes[2 * j] << 4) | codes[2 * j + 1]);
+  }
+  if (n % 2 != 0) packed[n / 2] = static_cast<std::uint8_t>(codes[n - 1] << 4);
+}
+
+/// A block's codes (starting at element `offset`, a multiple of the block size) -> values * absmax.
+template <int Bits>
+inline void dequantize_block(const CodeBook& book, const std::uint8_t* codes, std::int64_t offset,
+                             float absmax, float* __restrict out, std::int64_t n,
+                             std::uint8_t* __restrict scratch) {
+  if constexpr (Bits == 4) {
+    unpack_codes(codes + offset / 2, scratch, n);
+    dequantize_run(book, scratch, absmax, out, n);
+  } else {
+    dequantize_run(book, codes + offset, absmax, out, n);
+  }
+}
+
+/// A block's values * scale -> its nearest codes.
+template <int Bits>
+inline void quantize_block(const CodeBook& book, const float* __restrict values, float scale,
+                           std::uint8_t* codes, std::int64_t offset, std::int64_t n,
+                           std::uint8_t* __restrict scratch) {
+  if constexpr (Bits == 4) {
+    quantize_run(book, values, scale, scratch, n);
+    pack_codes(scratch, codes + offset / 2, n);
+  } else {
+    quantize_run(book, values, scale, codes + offset, n);
+  }
+}
+
+/// The work space of one thread: a block's moments in float and its codes one to a byte.
+struct BlockScratch {
+  alignas(64) float m[kMaxBlock];
+  alignas(64) float v[kMaxBlock];
+  alignas(64) std::uint8_t codes[kMaxBlock];
+};
+
 /// One block: dequantize, update, new block absmax, requantize; the block's floats stay in L1.
-template <typename T, Rule R>
-inline void step8_block(const Step8& s, std::int64_t block, float* __restrict m, float* __restrict v) {
+template <typename T, Rule R, int Bits>
+inline void step_quantized_block(const StepQuantized& s, std::int64_t block, BlockScratch& w) {
   constexpr bool kSecond = has_second_moment(R);
   const std::int64_t offset = block * s.block_size;
   const std::int64_t n = std::min(s.block_size, s.numel - offset);
   T* __restrict param = static_cast<T*>(s.param) + offset;
   const T* __restrict grad = static_cast<const T*>(s.grad) + offset;
-  const CodeBook& sb = signed_code_book();
-  const CodeBook& ub = unsigned_code_book();
+  const CodeBook& sb = signed_code_book(Bits);
+  const CodeBook& ub = unsigned_code_book(Bits);
   const StepScalars k = s.scalars;
   const float scale = s.grad_scale;
+  float* __restrict m = w.m;
+  float* __restrict v = w.v;
 
-  dequantize_run(sb, s.m + offset, s.absmax_m[block], m, n);
-  if constexpr (kSecond) dequantize_run(ub, s.v + offset, s.absmax_v[block], v, n);
+  dequantize_block<Bits>(sb, s.m, offset, s.absmax_m[block], m, n, w.codes);
+  if constexpr (kSecond) dequantize_block<Bits>(ub, s.v, offset, s.absmax_v[block], v, n, w.codes);
   for (std::int64_t i = 0; i < n; ++i) {
     float p = to_float(param[i]);
     float unused = 0;
@@ -130,19 +184,22 @@ inline void step8_block(const Step8& s, std::int64_t block, float* __restrict m,
   }
   const float max_m = absmax_run(m, n);
   s.absmax_m[block] = max_m;
-  quantize_run(sb, m, block_scale(max_m), s.m + offset, n);
+  quantize_block<Bits>(sb, m, block_scale(max_m), s.m, offset, n, w.codes);
   if constexpr (kSecond) {
     const float max_v = absmax_run(v, n);
     s.absmax_v[block] = max_v;
-    quantize_run(ub, v, block_scale(max_v), s.v + offset, n);
+    quantize_block<Bits>(ub, v, block_scale(max_v), s.v, offset, n, w.codes);
   }
 }
 
 template <typename T, Rule R>
-void step8_range(const Step8& s, std::int64_t block_begin, std::int64_t block_end) {
-  alignas(64) float m[kMaxBlock];
-  alignas(64) float v[kMaxBlock];
-  for (std::int64_t b = block_begin; b < block_end; ++b) step8_block<T, R>(s, b, m, v);
+void step_quantized_range(const StepQuantized& s, std::int64_t block_begin, std::int64_t block_end) {
+  BlockScratch scratch;
+  if (s.bits == 4) {
+    for (std::int64_t b = block_begin; b < block_end; ++b) step_quantized_block<T, R, 4>(s, b, scratch);
+  } else {
+    for (std::int64_t b = block_begin; b < block_end; ++b) step_quantized_block<T, R, 8>(s, b, scratch);
+  }
 }
 
 template <template <typename, Rule> class Kernel, typename T, typename Step>
@@ -167,8 +224,10 @@ struct Step32Kernel {
 };
 
 template <typename T, Rule R>
-struct Step8Kernel {
-  static void run(const Step8& s, std::int64_t begin, std::int64_t end) { step8_range<T, R>(s, begin, end); }
+struct StepQuantizedKernel {
+  static void run(const StepQuantized& s, std::int64_t begin, std::int64_t end) {
+    step_quantized_range<T, R>(s, begin, end);
+  }
 };
 
 /// Calls Kernel<T, R>::run for the storage type and rule: the one list of instantiations.
@@ -185,7 +244,9 @@ void dispatch(const Step& s, std::int64_t begin, std::int64_t end) {
 }
 
 void step32(const Step32& s, std::int64_t begin, std::int64_t end) { dispatch<Step32Kernel>(s, begin, end); }
-void step8(const Step8& s, std::int64_t begin, std::int64_t end) { dispatch<Step8Kernel>(s, begin, end); }
+void step_quantized(const StepQuantized& s, std::int64_t begin, std::int64_t end) {
+  dispatch<StepQuantizedKernel>(s, begin, end);
+}
 void quantize(const CodeBook& book, const float* values, float scale, std::uint8_t* codes, std::int64_t n) {
   quantize_run(book, values, scale, codes, n);
 }

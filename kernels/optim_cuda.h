@@ -15,7 +15,7 @@ namespace memsave::kernels {
 struct CudaTensorStep {
   void* param = nullptr;
   const void* grad = nullptr;
-  void* m = nullptr;  ///< uint8 codes (quantized) or float
+  void* m = nullptr;  ///< uint8 codes (quantized, code_bytes of qmap.h) or float
   void* v = nullptr;  ///< as m; Adam rules only
   float* absmax_m = nullptr;
   float* absmax_v = nullptr;
@@ -32,11 +32,12 @@ struct CudaStep {
   const CudaTensorStep* tensors = nullptr;  ///< host array
   int count = 0;
   bool quantized = true;
-  std::int64_t block_size = 256;
+  std::int64_t block_size = 256;  ///< a power of two in [kMinBlock, kMaxBlock]
+  int bits = 8;                   ///< of the codes: 8 or 4
   Rule rule = Rule::kAdamW;
   DType dtype = DType::kFloat32;
-  const CodeBook* signed_book = nullptr;    ///< device copy
-  const CodeBook* unsigned_book = nullptr;  ///< device copy
+  const CodeBook* signed_book = nullptr;    ///< device copy of signed_code_book(bits)
+  const CodeBook* unsigned_book = nullptr;  ///< device copy of unsigned_code_book(bits)
   const float* inv_scale = nullptr;         ///< device, optional: gradients are multiplied by *inv_scale
   const float* found_inf = nullptr;         ///< device, optional: when *found_inf != 0 nothing is changed
 };

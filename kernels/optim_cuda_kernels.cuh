@@ -70,15 +70,18 @@ __device__ __forceinline__ void group_max(std::uint32_t& a, std::uint32_t& b, st
   }
 }
 
-/// The 8-bit step. A group of kLanes threads steps one quantization block (a unit) at a time, each lane
-/// kPerLane elements kLanes apart, so every load and store of a warp is contiguous. All loads of a unit are
-/// issued before any store (parameters, gradients and codes may alias as far as the compiler knows), which
-/// keeps kPerLane loads per array in flight per thread.
-template <typename T, Rule R, int kLanes, int kPerLane>
-__global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step8_kernel(const LaunchArgs a) {
+/// The quantized step (8-bit or 4-bit codes). A group of kLanes threads steps one quantization block (a
+/// unit) at a time, each lane kPerLane elements kLanes apart, so every load and store of a warp is
+/// contiguous. All loads of a unit are issued before any store (parameters, gradients and codes may alias as
+/// far as the compiler knows), which keeps kPerLane loads per array in flight per thread. 4-bit codes: lanes
+/// 2j and 2j + 1 hold neighbouring elements (kLanes is even and a block starts at an even element), so each
+/// even lane reads one byte for the pair and writes it back with its neighbour's code from a shuffle.
+template <typename T, Rule R, int Bits, int kLanes, int kPerLane>
+__global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized_kernel(const LaunchArgs a) {
   if (a.found_inf != nullptr && *a.found_inf != 0.0f) return;
   constexpr bool kSecond = has_second_moment(R);
   constexpr int kGroups = kThreads / kLanes;  // groups per thread block
+  static_assert(kLanes % 2 == 0, "4-bit codes pair neighbouring lanes");
   __shared__ std::uint32_t shared[2 * kThreads / 32];
   const float scale = a.inv_scale != nullptr ? *a.inv_scale : 1.0f;
   const CodeBook& sb = *a.signed_book;
@@ -96,8 +99,8 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step8_kernel(c
     const std::int64_t n = min(a.unit_size, s.numel - offset);
     T* param = static_cast<T*>(s.param) + offset;
     const T* grad = static_cast<const T*>(s.grad) + offset;
-    std::uint8_t* mq = static_cast<std::uint8_t*>(s.m) + offset;
-    std::uint8_t* vq = kSecond ? static_cast<std::uint8_t*>(s.v) + offset : nullptr;
+    std::uint8_t* mq = static_cast<std::uint8_t*>(s.m) + code_bytes(offset, Bits);
+    std::uint8_t* vq = kSecond ? static_cast<std::uint8_t*>(s.v) + code_bytes(offset, Bits) : nullptr;
     const float absmax_m = s.absmax_m[block];
     const float absmax_v = kSecond ? s.absmax_v[block] : 0.0f;
 
@@ -109,8 +112,8 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step8_kernel(c
       if (i < n) {
         p[k] = param[i];
         g[k] = grad[i];
-        mc[k] = mq[i];
-        vc[k] = kSecond ? vq[i] : std::uint8_t{0};
+        mc[k] = code_at(mq, Bits, i);
+        vc[k] = kSecond ? code_at(vq, Bits, i) : std::uint8_t{0};
       }
     }
     float m[kPerLane], v[kPerLane];
@@ -142,7 +145,17 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step8_kernel(c
     MEMSAVE_UNROLL
     for (int k = 0; k < kPerLane; ++k) {
       const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      if (i < n) {
+      if constexpr (Bits == 4) {
+        // every lane shuffles (beyond n with code 0, the low nibble of an odd block's last byte)
+        std::uint32_t cm = i < n ? quantize(sb, m[k] * scale_m) : 0u;
+        std::uint32_t cv = kSecond && i < n ? quantize(ub, v[k] * scale_v) : 0u;
+        const std::uint32_t next_m = __shfl_xor_sync(0xffffffffu, cm, 1);
+        const std::uint32_t next_v = __shfl_xor_sync(0xffffffffu, cv, 1);
+        if (i < n && i % 2 == 0) {
+          mq[i / 2] = static_cast<std::uint8_t>((cm << 4) | next_m);
+          if (kSecond) vq[i / 2] = static_cast<std::uint8_t>((cv << 4) | next_v);
+        }
+      } else if (i < n) {
         mq[i] = quantize(sb, m[k] * scale_m);
         if (kSecond) vq[i] = quantize(ub, v[k] * scale_v);
       }
@@ -200,6 +213,14 @@ inline int grid_blocks(std::int64_t units, int groups, std::int64_t resident) {
   return static_cast<int>(wanted < resident ? wanted : resident);
 }
 
+template <typename T, Rule R, int Bits, typename Launch>
+int launch_quantized(const CudaStep& step, const LaunchArgs& args, Launch& launch) {
+  const std::int64_t units = args.first_unit[args.count];
+  if (step.block_size <= kWarpBlock)
+    return launch(step_quantized_kernel<T, R, Bits, 32, kWarpBlock / 32>, units, kThreads / 32, args);
+  return launch(step_quantized_kernel<T, R, Bits, kThreads, kMaxBlock / kThreads>, units, 1, args);
+}
+
 /// The kernel for one step's storage type, rule and state, handed to `launch(kernel, units, groups, args)`
 /// with the number of units and how many of them one thread block steps at a time.
 template <typename T, Rule R, typename Launch>
@@ -207,9 +228,8 @@ int launch_typed(const CudaStep& step, const LaunchArgs& args, Launch& launch) {
   const std::int64_t units = args.first_unit[args.count];
   if (units == 0) return 0;
   if (!step.quantized) return launch(step32_kernel<T, R>, units, 1, args);
-  if (step.block_size <= kWarpBlock)
-    return launch(step8_kernel<T, R, 32, kWarpBlock / 32>, units, kThreads / 32, args);
-  return launch(step8_kernel<T, R, kThreads, kMaxBlock / kThreads>, units, 1, args);
+  if (step.bits == 4) return launch_quantized<T, R, 4>(step, args, launch);
+  return launch_quantized<T, R, 8>(step, args, launch);
 }
 
 /// The one list of instantiations: storage type × rule.
@@ -232,7 +252,10 @@ int launch_rule(const CudaStep& step, const LaunchArgs& args, Launch& launch) {
 /// kMaxLaunchTensors, packs their arguments and picks the kernel. Returns the first error, 0 on success.
 template <typename Launch>
 int step_with(const CudaStep& step, Launch& launch) {
-  if (step.quantized && (step.block_size < 1 || step.block_size > kMaxBlock)) return kInvalidValue;
+  if (step.quantized && (step.block_size < kMinBlock || step.block_size > kMaxBlock ||
+                         step.block_size % 2 != 0 || (step.bits != 8 && step.bits != 4))) {
+    return kInvalidValue;
+  }
   for (int first = 0; first < step.count; first += kMaxLaunchTensors) {
     LaunchArgs args{};
     args.count = step.count - first < kMaxLaunchTensors ? step.count - first : kMaxLaunchTensors;

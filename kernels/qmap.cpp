@@ -23,11 +23,11 @@ std::vector<float> linspace_tenth_to_one(int n) {
   return points;
 }
 
-/// The exact nearest of 256 ascending codes, ties toward zero: the reference the tables are built from.
-int nearest(const std::array<float, kCodes>& codes, float x) {
+/// The exact nearest of ascending codes, ties toward zero: the reference the tables are built from.
+int nearest(const std::vector<float>& codes, float x) {
   if (std::isnan(x)) return -1;
   int best = 0;
-  for (int i = 1; i < kCodes; ++i) {
+  for (int i = 1; i < static_cast<int>(codes.size()); ++i) {
     // NOTE: x - code is exact in double whenever the two compete (they are then within a factor 2^29).
     const double d = std::fabs(static_cast<double>(x) - codes[i]);
     const double b = std::fabs(static_cast<double>(x) - codes[best]);
@@ -38,13 +38,15 @@ int nearest(const std::array<float, kCodes>& codes, float x) {
 
 }  // namespace
 
-std::array<float, kCodes> dynamic_codes(bool is_signed) {
+std::vector<float> dynamic_codes(bool is_signed, int bits) {
+  if (bits != 4 && bits != 8) throw std::invalid_argument("dynamic_codes: bits must be 4 or 8");
   static const double kDecade[7] = {1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1e0};
+  const int decades = bits - 1;  // one per exponent bit
   std::vector<float> values;
-  for (int i = 0; i < 7; ++i) {
+  for (int i = 0; i < decades; ++i) {
     const int points = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1;
     const std::vector<float> bounds = linspace_tenth_to_one(points);
-    const auto scale = static_cast<float>(kDecade[i]);
+    const auto scale = static_cast<float>(kDecade[7 - decades + i]);
     for (int j = 0; j + 1 < points; ++j) {
       const float mean = (bounds[j] + bounds[j + 1]) / 2.0f;
       values.push_back(scale * mean);
@@ -54,13 +56,21 @@ std::array<float, kCodes> dynamic_codes(bool is_signed) {
   values.push_back(0.0f);
   values.push_back(1.0f);
   std::sort(values.begin(), values.end());
-  std::array<float, kCodes> codes{};
-  std::copy(values.begin(), values.end(), codes.begin());
+  return values;
+}
+
+std::vector<float> linear_codes_without_zero() {
+  std::vector<float> codes(16);
+  for (int k = 1; k <= 16; ++k) codes[k - 1] = static_cast<float>(k) / 16.0f;  // exact
   return codes;
 }
 
-CodeBook make_code_book(const std::array<float, kCodes>& codes) {
-  for (int i = 0; i < kCodes; ++i) {
+CodeBook make_code_book(const std::vector<float>& codes) {
+  const int count = static_cast<int>(codes.size());
+  if (count != 16 && count != kCodes) {
+    throw std::invalid_argument("make_code_book: a book holds 16 or 256 codes, got " + std::to_string(count));
+  }
+  for (int i = 0; i < count; ++i) {
     if (!std::isfinite(codes[i]) || (i > 0 && !(codes[i - 1] < codes[i]))) {
       throw std::invalid_argument("make_code_book: codes must be finite and strictly ascending (at index " +
                                   std::to_string(i) + ")");
@@ -68,14 +78,17 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes) {
   }
   CodeBook book{};
   std::copy(codes.begin(), codes.end(), book.code);
+  book.count = count;
   book.is_signed = codes[0] < 0.0f ? 1 : 0;
   if (book.is_signed) {
-    bool symmetric = codes[127] == 0.0f;
-    for (int k = 1; k < 128; ++k) symmetric = symmetric && codes[127 - k] == -codes[127 + k];
-    if (!symmetric)
-      throw std::invalid_argument("make_code_book: a signed book must be symmetric around code 127 = 0");
-  } else if (codes[0] != 0.0f) {
-    throw std::invalid_argument("make_code_book: an unsigned book must start at 0");
+    const int zero = count / 2 - 1;
+    bool symmetric = codes[zero] == 0.0f;
+    for (int k = 1; k <= zero; ++k) symmetric = symmetric && codes[zero - k] == -codes[zero + k];
+    if (!symmetric) {
+      throw std::invalid_argument("make_code_book: a signed book must be symmetric around code " +
+                                  std::to_string(zero) + " = 0");
+    }
+    book.mirror = 2 * zero;
   }
 
   // Each cell holds the magnitudes [lo, hi]; their nearest codes may differ by at most one.
@@ -116,14 +129,16 @@ CodeBook make_code_book(const std::array<float, kCodes>& codes) {
   return book;
 }
 
-const CodeBook& signed_code_book() {
-  static const CodeBook book = make_code_book(dynamic_codes(true));
-  return book;
+const CodeBook& signed_code_book(int bits) {
+  static const CodeBook book8 = make_code_book(dynamic_codes(true, 8));
+  static const CodeBook book4 = make_code_book(dynamic_codes(true, 4));
+  return bits == 4 ? book4 : book8;
 }
 
-const CodeBook& unsigned_code_book() {
-  static const CodeBook book = make_code_book(dynamic_codes(false));
-  return book;
+const CodeBook& unsigned_code_book(int bits) {
+  static const CodeBook book8 = make_code_book(dynamic_codes(false, 8));
+  static const CodeBook book4 = make_code_book(linear_codes_without_zero());
+  return bits == 4 ? book4 : book8;
 }
 
 }  // namespace memsave::kernels

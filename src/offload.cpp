@@ -44,14 +44,14 @@ void check_options(const OffloadOptimizerOptions& o) {
   const auto [beta1, beta2] = o.betas();
   TORCH_CHECK(beta1 >= 0 && beta1 < 1, "OffloadOptimizer: invalid beta1: ", beta1);
   TORCH_CHECK(beta2 >= 0 && beta2 < 1, "OffloadOptimizer: invalid beta2: ", beta2);
-  TORCH_CHECK(o.state_bits() == 32 || o.state_bits() == 8,
-              "OffloadOptimizer: state_bits must be 32 or 8, got ", o.state_bits());
+  TORCH_CHECK(o.state_bits() == 32 || o.state_bits() == 8 || o.state_bits() == 4,
+              "OffloadOptimizer: state_bits must be 32, 8 or 4, got ", o.state_bits());
   TORCH_CHECK(o.min_offload_size() >= 0, "OffloadOptimizer: min_offload_size must be >= 0, got ",
               o.min_offload_size());
 }
 
-/// The host-side update is AdamW8bit's: 8-bit blockwise state, or fp32 state through the same fused kernels
-/// when no tensor is large enough to quantize.
+/// The host-side update is AdamW4bit's for 4-bit state, AdamW8bit's otherwise: 8-bit blockwise state, or
+/// fp32 state through the same fused kernels when no tensor is large enough to quantize.
 optim::AdamW8bitOptions host_options(const OffloadOptimizerOptions& o) {
   return optim::AdamW8bitOptions(o.lr())
       .betas(o.betas())
@@ -59,6 +59,16 @@ optim::AdamW8bitOptions host_options(const OffloadOptimizerOptions& o) {
       .weight_decay(o.weight_decay())
       .min_8bit_size(o.state_bits() == 8 ? optim::AdamW8bitOptions().min_8bit_size()
                                          : std::numeric_limits<int64_t>::max());
+}
+
+optim::AdamW4bitOptions host_options_4bit(const OffloadOptimizerOptions& o) {
+  return optim::AdamW4bitOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
+}
+
+std::unique_ptr<optim::LowBitOptimizer> make_host(const std::vector<torch::Tensor>& masters,
+                                                  const OffloadOptimizerOptions& o) {
+  if (o.state_bits() == 4) return std::make_unique<optim::AdamW4bit>(masters, host_options_4bit(o));
+  return std::make_unique<optim::AdamW8bit>(masters, host_options(o));
 }
 
 torch::optim::AdamWOptions device_options(const OffloadOptimizerOptions& o) {
@@ -286,7 +296,7 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
     masters.push_back(o.master);
     offloaded_.push_back(std::move(o));
   }
-  if (!masters.empty()) host_ = std::make_unique<optim::AdamW8bit>(masters, host_options(options));
+  if (!masters.empty()) host_ = make_host(masters, options);
   if (!small.empty()) device_ = std::make_unique<torch::optim::AdamW>(small, device_options(options));
   if ((options.copy_during_backward() || options.step_during_backward()) && !offloaded_.empty()) {
     // NOTE: the optimizer holds each parameter's gradient accumulator, so every later graph uses the same
@@ -347,7 +357,17 @@ const OffloadOptimizerOptions& OffloadOptimizer::options() const {
 void OffloadOptimizer::sync_hyper_parameters() {
   check_options(options());
   if (host_) {
-    static_cast<optim::AdamW8bitOptions&>(host_->param_groups().front().options()) = host_options(options());
+    // The host optimizer's kind is fixed when it is made: state_bits may move between 32 and 8 (which sets
+    // the size from which new state is 8-bit), not to or from 4.
+    TORCH_CHECK((options().state_bits() == 4) == (host_->bits() == 4), "OffloadOptimizer: state_bits ",
+                options().state_bits(), " cannot replace the ", host_->bits() == 4 ? "4" : "8 or 32",
+                " the optimizer was made with");
+    torch::optim::OptimizerOptions& host = host_->param_groups().front().options();
+    if (host_->bits() == 4) {
+      static_cast<optim::AdamW4bitOptions&>(host) = host_options_4bit(options());
+    } else {
+      static_cast<optim::AdamW8bitOptions&>(host) = host_options(options());
+    }
   }
   if (device_) {
     static_cast<torch::optim::AdamWOptions&>(device_->param_groups().front().options()) =
@@ -531,11 +551,11 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
                 master.sizes(), ", expected Float ", offloaded_[i].master.sizes());
     masters.push_back(master);
   }
-  std::unique_ptr<optim::AdamW8bit> host;
+  std::unique_ptr<optim::LowBitOptimizer> host;
   if (host_) {
     std::vector<torch::Tensor> params;
     for (const Offloaded& o : offloaded_) params.push_back(o.master);
-    host = std::make_unique<optim::AdamW8bit>(params, host_options(options()));
+    host = make_host(params, options());
     torch::serialize::InputArchive inner;
     archive.read("offload/host", inner);
     HostAllocationScope in_host;

@@ -22,9 +22,11 @@ using memsave::detail::write_betas;
 using torch::serialize::InputArchive;
 using torch::serialize::OutputArchive;
 
-const char* kind_name(int32_t kind) {
-  static const char* const kNames[] = {"Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit"};
-  return kind >= 0 && kind < 4 ? kNames[kind] : "an unknown optimizer";
+const char* kind_name(int32_t kind, int64_t bits) {
+  static const char* const kNames8[] = {"Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit"};
+  static const char* const kNames4[] = {"Adam4bit", "AdamW4bit", "Lion4bit", "SGD4bit"};
+  if (kind < 0 || kind >= 4 || (bits != 8 && bits != 4)) return "an unknown optimizer";
+  return bits == 4 ? kNames4[kind] : kNames8[kind];
 }
 
 k::DType storage_type(const torch::Tensor& t) {
@@ -43,18 +45,26 @@ k::DType storage_type(const torch::Tensor& t) {
 
 int64_t blocks_of(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
 
-/// The 256 values of a code book as a float tensor, for reading 8-bit state back.
+/// The values of a code book as a float tensor, for reading quantized state back.
 torch::Tensor book_tensor(const k::CodeBook& book, torch::Device device) {
-  return torch::from_blob(const_cast<float*>(book.code), {k::kCodes}, torch::kFloat)
+  return torch::from_blob(const_cast<float*>(book.code), {book.count}, torch::kFloat)
       .to(device, /*non_blocking=*/false,
           /*copy=*/true);
 }
 
-torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& codes,
+/// One code per element, from codes stored as qmap.h's code_bytes says.
+torch::Tensor unpacked_codes(const torch::Tensor& codes, int64_t bits, int64_t numel) {
+  const torch::Tensor flat = codes.reshape({-1}).to(torch::kLong);
+  if (bits != 4) return flat;
+  return torch::stack({flat.bitwise_right_shift(4), flat.bitwise_and(15)}, 1)
+      .reshape({-1})
+      .narrow(0, 0, numel);
+}
+
+torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& codes, int64_t bits,
                                const torch::Tensor& absmax, int64_t block, torch::IntArrayRef shape) {
-  const int64_t numel = codes.numel();
-  const torch::Tensor values =
-      book_tensor(book, codes.device()).index({codes.reshape({-1}).to(torch::kLong)});
+  const int64_t numel = c10::multiply_integers(shape);
+  const torch::Tensor values = book_tensor(book, codes.device()).index({unpacked_codes(codes, bits, numel)});
   const torch::Tensor scale = absmax.repeat_interleave(block).narrow(0, 0, numel);
   return (values * scale).reshape(shape);
 }
@@ -64,7 +74,21 @@ torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& cod
 // ---- options
 // -----------------------------------------------------------------------------------------------
 
-// Adam8bitOptions and AdamW8bitOptions hold the same fields (only a default differs): one body for both.
+// The Adam options (8-bit and 4-bit, with and without decoupled decay) hold the same fields but for the name
+// of the size threshold and some defaults: one body for the four.
+template <typename Options>
+constexpr bool kFourBit =
+    std::is_same_v<Options, Adam4bitOptions> || std::is_same_v<Options, AdamW4bitOptions>;
+
+template <typename Options>
+int64_t min_size(const Options& o) {
+  if constexpr (kFourBit<Options>) {
+    return o.min_4bit_size();
+  } else {
+    return o.min_8bit_size();
+  }
+}
+
 template <typename Options>
 void write_adam(OutputArchive& archive, const Options& o) {
   archive.write("lr", o.lr());
@@ -72,28 +96,32 @@ void write_adam(OutputArchive& archive, const Options& o) {
   archive.write("eps", o.eps());
   archive.write("weight_decay", o.weight_decay());
   archive.write("block_size", o.block_size());
-  archive.write("min_8bit_size", o.min_8bit_size());
+  archive.write(kFourBit<Options> ? "min_4bit_size" : "min_8bit_size", min_size(o));
 }
 
 template <typename Options>
 void read_adam(InputArchive& archive, Options& o) {
   o.lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
   o.weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
-  o.min_8bit_size(read_int(archive, "min_8bit_size"));
+  if constexpr (kFourBit<Options>) {
+    o.min_4bit_size(read_int(archive, "min_4bit_size"));
+  } else {
+    o.min_8bit_size(read_int(archive, "min_8bit_size"));
+  }
 }
 
 template <typename Options>
 bool same_adam(const Options& a, const Options& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
          a.weight_decay() == b.weight_decay() && a.block_size() == b.block_size() &&
-         a.min_8bit_size() == b.min_8bit_size();
+         min_size(a) == min_size(b);
 }
 
 template <typename Hyper, typename Options>
 Hyper adam_hyper(const Options& o) {
   Hyper h;
   h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
-  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = min_size(o);
   return h;
 }
 
@@ -104,6 +132,14 @@ bool operator==(const Adam8bitOptions& a, const Adam8bitOptions& b) { return sam
 void AdamW8bitOptions::serialize(OutputArchive& archive) const { write_adam(archive, *this); }
 void AdamW8bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
 bool operator==(const AdamW8bitOptions& a, const AdamW8bitOptions& b) { return same_adam(a, b); }
+
+void Adam4bitOptions::serialize(OutputArchive& archive) const { write_adam(archive, *this); }
+void Adam4bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
+bool operator==(const Adam4bitOptions& a, const Adam4bitOptions& b) { return same_adam(a, b); }
+
+void AdamW4bitOptions::serialize(OutputArchive& archive) const { write_adam(archive, *this); }
+void AdamW4bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
+bool operator==(const AdamW4bitOptions& a, const AdamW4bitOptions& b) { return same_adam(a, b); }
 
 void Lion8bitOptions::serialize(OutputArchive& archive) const {
   archive.write("lr", lr());
@@ -150,6 +186,7 @@ bool operator==(const SGD8bitOptions& a, const SGD8bitOptions& b) {
 void QuantizedParamState::serialize(OutputArchive& archive) const {
   archive.write("step", step());
   archive.write("block_size", block_size());
+  if (bits() != 8) archive.write("bits", bits());  // files from before 4-bit state have no "bits": 8
   archive.write("m", m(), /*is_buffer=*/true);
   if (v().defined()) archive.write("v", v(), /*is_buffer=*/true);
   if (absmax_m().defined()) archive.write("absmax_m", absmax_m(), /*is_buffer=*/true);
@@ -163,6 +200,8 @@ void QuantizedParamState::serialize(InputArchive& archive) {
   };
   step(read_int(archive, "step"));
   block_size(read_int(archive, "block_size"));
+  c10::IValue bits_value;
+  bits(archive.try_read("bits", bits_value) && bits_value.isInt() ? bits_value.toInt() : 8);
   torch::Tensor codes;
   archive.read("m", codes, /*is_buffer=*/true);
   m(codes).v(tensor("v")).absmax_m(tensor("absmax_m")).absmax_v(tensor("absmax_v"));
@@ -173,19 +212,21 @@ bool operator==(const QuantizedParamState& a, const QuantizedParamState& b) {
     return x.defined() == y.defined() && (!x.defined() || (x.sizes() == y.sizes() && x.dtype() == y.dtype() &&
                                                            torch::equal(x.cpu(), y.cpu())));
   };
-  return a.step() == b.step() && a.block_size() == b.block_size() && same(a.m(), b.m()) &&
-         same(a.v(), b.v()) && same(a.absmax_m(), b.absmax_m()) && same(a.absmax_v(), b.absmax_v());
+  return a.step() == b.step() && a.block_size() == b.block_size() && a.bits() == b.bits() &&
+         same(a.m(), b.m()) && same(a.v(), b.v()) && same(a.absmax_m(), b.absmax_m()) &&
+         same(a.absmax_v(), b.absmax_v());
 }
 
 // ---- the optimizer
 // -----------------------------------------------------------------------------------------
 
 LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-                                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind)
-    : Optimizer(groups, std::move(defaults)), kind_(kind) {
+                                 std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind,
+                                 int bits)
+    : Optimizer(groups, std::move(defaults)), kind_(kind), bits_(bits) {
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {
-      TORCH_CHECK(p.is_floating_point() && !p.is_complex(), kind_name(static_cast<int32_t>(kind_)),
+      TORCH_CHECK(p.is_floating_point() && !p.is_complex(), kind_name(static_cast<int32_t>(kind_), bits_),
                   ": parameters must be float32, float16 or bfloat16, got ", p.scalar_type());
     }
   }
@@ -197,7 +238,7 @@ void LowBitOptimizer::check(const Hyper& h, Kind kind) {
   TORCH_CHECK(h.block_size >= k::kMinBlock && h.block_size <= k::kMaxBlock &&
                   (h.block_size & (h.block_size - 1)) == 0,
               "Invalid block_size: ", h.block_size, " (a power of two in [64, 4096])");
-  TORCH_CHECK(h.min_8bit_size >= 0, "Invalid min_8bit_size: ", h.min_8bit_size);
+  TORCH_CHECK(h.min_quantized_size >= 0, "Invalid minimum size for quantized state: ", h.min_quantized_size);
   if (kind == Kind::kSgd) {
     TORCH_CHECK(h.beta1 > 0 && h.beta1 < 1, "Invalid momentum value: ", h.beta1,
                 " (SGD8bit needs 0 < momentum < 1)");
@@ -227,7 +268,7 @@ torch::Tensor LowBitOptimizer::step(LossClosure closure) { return step_impl(std:
 
 torch::Tensor LowBitOptimizer::step_scaled(const torch::Tensor& inv_scale) {
   TORCH_CHECK(inv_scale.defined() && inv_scale.numel() == 1 && inv_scale.scalar_type() == torch::kFloat,
-              kind_name(static_cast<int32_t>(kind_)), ": inv_scale must be a float scalar tensor");
+              kind_name(static_cast<int32_t>(kind_), bits_), ": inv_scale must be a float scalar tensor");
   return step_impl(nullptr, inv_scale);
 }
 
@@ -238,7 +279,7 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  const char* name = kind_name(static_cast<int32_t>(kind_));
+  const char* name = kind_name(static_cast<int32_t>(kind_), bits_);
   const bool second = kind_ == Kind::kAdam || kind_ == Kind::kAdamW;
 
   // 1. Check everything; nothing changes before the kernels run.
@@ -271,7 +312,9 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
       const auto it = state_.find(p.unsafeGetTensorImpl());
       if (it != state_.end()) {
         w.state = static_cast<QuantizedParamState*>(it->second.get());
-        TORCH_CHECK(w.state->m().numel() == p.numel() && w.state->m().device() == p.device(), name,
+        const int64_t codes =
+            w.state->quantized() ? k::code_bytes(p.numel(), static_cast<int>(w.state->bits())) : p.numel();
+        TORCH_CHECK(w.state->m().numel() == codes && w.state->m().device() == p.device(), name,
                     ": the state of a parameter of shape ", p.sizes(), " does not match it");
       }
       work.push_back(std::move(w));
@@ -291,15 +334,19 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
     const torch::Tensor& p = w.original;
     if (w.state == nullptr) {
       w.fresh = std::make_unique<QuantizedParamState>();
-      const bool quantized = p.numel() >= h.min_8bit_size && !forced_32bit_.count(p.unsafeGetTensorImpl());
+      const bool quantized =
+          p.numel() >= h.min_quantized_size && !forced_32bit_.count(p.unsafeGetTensorImpl());
       const auto on = torch::TensorOptions().device(p.device());
       if (quantized) {
         const int64_t blocks = blocks_of(p.numel(), h.block_size);
-        w.fresh->block_size(h.block_size);
-        w.fresh->m(torch::full({p.numel()}, 127, on.dtype(torch::kUInt8)));  // the signed book's 0
+        const int64_t bytes = k::code_bytes(p.numel(), bits_);
+        const int zero = k::signed_code_book(bits_).mirror / 2;  // the signed book's 0, in every nibble
+        w.fresh->block_size(h.block_size).bits(bits_);
+        w.fresh->m(torch::full({bytes}, bits_ == 4 ? zero * 17 : zero, on.dtype(torch::kUInt8)));
         w.fresh->absmax_m(torch::zeros({blocks}, on.dtype(torch::kFloat)));
         if (second) {
-          w.fresh->v(torch::zeros({p.numel()}, on.dtype(torch::kUInt8)));  // the unsigned book's 0
+          // code 0: the unsigned book's lowest (0, or 1/16 for 4 bits), times an absmax of 0
+          w.fresh->v(torch::zeros({bytes}, on.dtype(torch::kUInt8)));
           w.fresh->absmax_v(torch::zeros({blocks}, on.dtype(torch::kFloat)));
         }
       } else {
@@ -347,7 +394,7 @@ void step_cpu(const TensorStep& t) {
   const QuantizedParamState& s = *t.state;
   const int64_t numel = t.param.numel();
   if (s.quantized()) {
-    k::Step8 step;
+    k::StepQuantized step;
     step.param = t.param.data_ptr();
     step.grad = t.grad.data_ptr();
     step.dtype = storage_type(t.param);
@@ -357,12 +404,13 @@ void step_cpu(const TensorStep& t) {
     step.absmax_v = s.absmax_v().defined() ? s.absmax_v().data_ptr<float>() : nullptr;
     step.numel = numel;
     step.block_size = s.block_size();
+    step.bits = static_cast<int>(s.bits());
     step.rule = t.rule;
     step.scalars = t.scalars;
     if (t.inv_scale.defined()) step.grad_scale = t.inv_scale.item<float>();
     const int64_t blocks = blocks_of(numel, s.block_size());
     at::parallel_for(0, blocks, std::max<int64_t>(1, 32768 / s.block_size()),
-                     [&](int64_t begin, int64_t end) { k::step8_cpu(step, begin, end); });
+                     [&](int64_t begin, int64_t end) { k::step_quantized_cpu(step, begin, end); });
   } else {
     k::Step32 step;
     step.param = t.param.data_ptr();
@@ -404,10 +452,12 @@ std::vector<torch::Tensor> LowBitOptimizer::state_fp32(const torch::Tensor& para
     if (s.v().defined()) out.push_back(s.v().reshape(param.sizes()).clone());
     return out;
   }
-  out.push_back(dequantize_state(k::signed_code_book(), s.m(), s.absmax_m(), s.block_size(), param.sizes()));
+  const int bits = static_cast<int>(s.bits());
+  out.push_back(
+      dequantize_state(k::signed_code_book(bits), s.m(), bits, s.absmax_m(), s.block_size(), param.sizes()));
   if (s.v().defined()) {
-    out.push_back(
-        dequantize_state(k::unsigned_code_book(), s.v(), s.absmax_v(), s.block_size(), param.sizes()));
+    out.push_back(dequantize_state(k::unsigned_code_book(bits), s.v(), bits, s.absmax_v(), s.block_size(),
+                                   param.sizes()));
   }
   return out;
 }
@@ -425,6 +475,7 @@ std::vector<torch::Tensor> LowBitOptimizer::state_tensors() const {
 
 void LowBitOptimizer::save(OutputArchive& archive) const {
   archive.write("memsave_kind", static_cast<int64_t>(kind_));
+  if (bits_ != 8) archive.write("memsave_bits", static_cast<int64_t>(bits_));  // absent: 8 (older files)
   archive.write("memsave_code_book_version", k::kCodeBookVersion);
   archive.write("groups", static_cast<int64_t>(param_groups_.size()));
   int64_t index = 0;
@@ -447,14 +498,17 @@ void LowBitOptimizer::save(OutputArchive& archive) const {
 }
 
 void LowBitOptimizer::load(InputArchive& archive) {
-  const char* name = kind_name(static_cast<int32_t>(kind_));
+  const char* name = kind_name(static_cast<int32_t>(kind_), bits_);
   // Read and check everything into temporaries; commit only when all of it fits this optimizer.
   c10::IValue kind_value;
   TORCH_CHECK(archive.try_read("memsave_kind", kind_value) && kind_value.isInt(), name,
               ": the archive holds no memsave optimizer state");
   const int64_t kind = kind_value.toInt();
-  TORCH_CHECK(kind == static_cast<int64_t>(kind_), name, ": the archive holds the state of ",
-              kind_name(static_cast<int32_t>(kind)));
+  c10::IValue bits_value;
+  const int64_t bits =
+      archive.try_read("memsave_bits", bits_value) && bits_value.isInt() ? bits_value.toInt() : 8;
+  TORCH_CHECK(kind == static_cast<int64_t>(kind_) && bits == bits_, name, ": the archive holds the state of ",
+              kind_name(static_cast<int32_t>(kind), bits));
   const int64_t version = read_int(archive, "memsave_code_book_version");
   TORCH_CHECK(version == k::kCodeBookVersion, name, ": the archive's code book version ", version,
               " is not this build's ", k::kCodeBookVersion);
@@ -494,13 +548,17 @@ void LowBitOptimizer::load(InputArchive& archive) {
         if (quantized) {
           TORCH_CHECK(s->block_size() == h.block_size, name, ": the archive's block size ", s->block_size(),
                       " differs from this optimizer's ", h.block_size);
+          TORCH_CHECK(s->bits() == bits_, name, ": the archive's state has ", s->bits(),
+                      "-bit codes, this optimizer ", bits_, "-bit");
           const int64_t blocks = blocks_of(numel, s->block_size());
           TORCH_CHECK(fits(s->absmax_m(), blocks, torch::kFloat) &&
                           (!second || fits(s->absmax_v(), blocks, torch::kFloat)),
                       name, ": the archive's block scales do not fit a parameter of shape ", p.sizes());
         }
-        TORCH_CHECK(fits(s->m(), numel, codes) && (second ? fits(s->v(), numel, codes) : !s->v().defined()),
-                    name, ": the archive's state does not fit a parameter of shape ", p.sizes());
+        const int64_t entries = quantized ? k::code_bytes(numel, bits_) : numel;
+        TORCH_CHECK(
+            fits(s->m(), entries, codes) && (second ? fits(s->v(), entries, codes) : !s->v().defined()), name,
+            ": the archive's state does not fit a parameter of shape ", p.sizes());
         for (auto* t : {&s->m(), &s->v(), &s->absmax_m(), &s->absmax_v()}) {
           if (t->defined()) *t = t->to(p.device());
         }
@@ -513,7 +571,7 @@ void LowBitOptimizer::load(InputArchive& archive) {
   for (auto& [key, s] : states) state_[const_cast<void*>(key)] = std::move(s);
 }
 
-// ---- the four optimizers
+// ---- the optimizers
 // -----------------------------------------------------------------------------------
 
 Adam8bit::Adam8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Adam8bitOptions defaults)
@@ -540,7 +598,7 @@ LowBitOptimizer::Hyper Lion8bit::hyper(const torch::optim::OptimizerOptions& opt
   const auto& o = static_cast<const Lion8bitOptions&>(options);
   Hyper h;
   h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas());
-  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = o.min_8bit_size();
   return h;
 }
 
@@ -552,8 +610,24 @@ LowBitOptimizer::Hyper SGD8bit::hyper(const torch::optim::OptimizerOptions& opti
   const auto& o = static_cast<const SGD8bitOptions&>(options);
   Hyper h;
   h.lr = o.lr(), h.beta1 = o.momentum(), h.dampening = o.dampening(), h.nesterov = o.nesterov();
-  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_8bit_size = o.min_8bit_size();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = o.min_8bit_size();
   return h;
+}
+
+Adam4bit::Adam4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Adam4bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<Adam4bitOptions>(defaults), Kind::kAdam, /*bits=*/4) {
+  check(hyper(defaults), Kind::kAdam);
+}
+LowBitOptimizer::Hyper Adam4bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  return adam_hyper<Hyper>(static_cast<const Adam4bitOptions&>(options));
+}
+
+AdamW4bit::AdamW4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamW4bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<AdamW4bitOptions>(defaults), Kind::kAdamW, /*bits=*/4) {
+  check(hyper(defaults), Kind::kAdamW);
+}
+LowBitOptimizer::Hyper AdamW4bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  return adam_hyper<Hyper>(static_cast<const AdamW4bitOptions&>(options));
 }
 
 }  // namespace memsave::optim

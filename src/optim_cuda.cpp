@@ -19,14 +19,14 @@ namespace {
 namespace k = memsave::kernels;
 
 /// The code books, copied once to each device.
-const k::CodeBook* device_book(bool is_signed, c10::DeviceIndex device) {
+const k::CodeBook* device_book(bool is_signed, int bits, c10::DeviceIndex device) {
   static std::mutex mutex;
   // NOTE: leaked on purpose: freeing device memory during static destruction can outlive the CUDA context.
-  static auto* books = new std::map<std::pair<c10::DeviceIndex, bool>, torch::Tensor>();
+  static auto* books = new std::map<std::tuple<c10::DeviceIndex, bool, int>, torch::Tensor>();
   std::lock_guard<std::mutex> lock(mutex);
-  torch::Tensor& book = (*books)[{device, is_signed}];
+  torch::Tensor& book = (*books)[{device, is_signed, bits}];
   if (!book.defined()) {
-    const k::CodeBook& host = is_signed ? k::signed_code_book() : k::unsigned_code_book();
+    const k::CodeBook& host = is_signed ? k::signed_code_book(bits) : k::unsigned_code_book(bits);
     book = torch::from_blob(const_cast<k::CodeBook*>(&host), {static_cast<int64_t>(sizeof(k::CodeBook))},
                             torch::kUInt8)
                .to(torch::Device(torch::kCUDA, device));
@@ -43,8 +43,8 @@ k::DType storage_type(const torch::Tensor& t) {
 }  // namespace
 
 void step_cuda(const std::vector<TensorStep>& steps) {
-  using Key =
-      std::tuple<c10::DeviceIndex, int64_t, int32_t, int32_t>;  // device, block size (0: fp32), dtype, rule
+  // device, block size (0: fp32), bits, dtype, rule
+  using Key = std::tuple<c10::DeviceIndex, int64_t, int64_t, int32_t, int32_t>;
   std::map<Key, std::vector<k::CudaTensorStep>> groups;
   for (const TensorStep& t : steps) {
     const QuantizedParamState& s = *t.state;
@@ -57,25 +57,26 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     c.absmax_v = s.absmax_v().defined() ? s.absmax_v().data_ptr<float>() : nullptr;
     c.numel = t.param.numel();
     c.scalars = t.scalars;
-    groups[Key{t.param.device().index(), s.block_size(), static_cast<int32_t>(storage_type(t.param)),
-               static_cast<int32_t>(t.rule)}]
+    groups[Key{t.param.device().index(), s.block_size(), s.quantized() ? s.bits() : 0,
+               static_cast<int32_t>(storage_type(t.param)), static_cast<int32_t>(t.rule)}]
         .push_back(c);
   }
   const float* inv_scale = steps.empty() || !steps.front().inv_scale.defined()
                                ? nullptr
                                : steps.front().inv_scale.data_ptr<float>();
   for (const auto& [key, tensors] : groups) {
-    const auto [device, block_size, dtype, rule] = key;
+    const auto [device, block_size, bits, dtype, rule] = key;
     const c10::cuda::CUDAGuard guard(device);
     k::CudaStep step;
     step.tensors = tensors.data();
     step.count = static_cast<int>(tensors.size());
     step.quantized = block_size > 0;
     step.block_size = block_size;
+    step.bits = block_size > 0 ? static_cast<int>(bits) : 8;
     step.rule = static_cast<k::Rule>(rule);
     step.dtype = static_cast<k::DType>(dtype);
-    step.signed_book = device_book(true, device);
-    step.unsigned_book = device_book(false, device);
+    step.signed_book = device_book(true, step.bits, device);
+    step.unsigned_book = device_book(false, step.bits, device);
     step.inv_scale = inv_scale;
     const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());
     C10_CUDA_CHECK(static_cast<cudaError_t>(error));

@@ -29,8 +29,8 @@ std::string dtype_cpp(c10::ScalarType dtype) {
 void check_recipe(const Recipe& r, c10::Device device) {
   TORCH_CHECK(r.micro_batch() >= 0, "Recipe: micro_batch must be >= 0 (0: the whole batch), got ",
               r.micro_batch());
-  TORCH_CHECK(r.state_bits() == 32 || r.state_bits() == 8, "Recipe: state_bits must be 32 or 8, got ",
-              r.state_bits());
+  TORCH_CHECK(r.state_bits() == 32 || r.state_bits() == 8 || r.state_bits() == 4,
+              "Recipe: state_bits must be 32, 8 or 4, got ", r.state_bits());
   TORCH_CHECK(r.max_grad_norm() >= 0, "Recipe: max_grad_norm must be >= 0 (0: no clipping), got ",
               r.max_grad_norm());
   if (r.amp()) {
@@ -122,6 +122,9 @@ OptimizerFactory adamw(double lr, double weight_decay) {
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::AdamW8bit>(parameters,
                                                 optim::AdamW8bitOptions(lr).weight_decay(weight_decay));
+    if (recipe.state_bits() == 4)
+      return std::make_unique<optim::AdamW4bit>(parameters,
+                                                optim::AdamW4bitOptions(lr).weight_decay(weight_decay));
     return std::make_unique<torch::optim::AdamW>(parameters,
                                                  torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
   };
@@ -134,6 +137,7 @@ OptimizerFactory sgd(double lr, double momentum) {
                         const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     TORCH_CHECK(recipe.offload() == Offload::kNone,
                 "sgd: offloading the optimizer state is implemented for AdamW (memsave::adamw) only");
+    TORCH_CHECK(recipe.state_bits() != 4, "sgd: 4-bit state is implemented for AdamW (memsave::adamw) only");
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::SGD8bit>(parameters, optim::SGD8bitOptions(lr).momentum(momentum));
     return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(lr).momentum(momentum));
@@ -158,14 +162,14 @@ Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Opti
               recipe_.offload() == Offload::kNone ? "does not offload" : "offloads",
               " the optimizer state but the optimizer given ", offload ? "is" : "is not",
               " a memsave::OffloadOptimizer");
-  const bool low_bit =
+  const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(optimizer_.get());
+  const int64_t bits =
       offload ? static_cast<const OffloadOptimizerOptions&>(offload->param_groups().front().options())
-                        .state_bits() == 8
-              : dynamic_cast<optim::LowBitOptimizer*>(optimizer_.get()) != nullptr;
-  TORCH_CHECK(
-      low_bit == (recipe_.state_bits() == 8), "Trainer: the recipe asks for ", recipe_.state_bits(),
-      "-bit optimizer state but the optimizer given ", low_bit ? "is" : "is not",
-      " one of memsave's 8-bit optimizers; build it with an OptimizerFactory (memsave::adamw) instead");
+                    .state_bits()
+              : (low_bit ? low_bit->bits() : 32);
+  TORCH_CHECK(bits == recipe_.state_bits(), "Trainer: the recipe asks for ", recipe_.state_bits(),
+              "-bit optimizer state but the optimizer given keeps ", bits,
+              "-bit state; build it with an OptimizerFactory (memsave::adamw) instead");
   apply(model);
   make_accumulator();
 }

@@ -48,18 +48,24 @@ void expect_same_parameters(tnn::Sequential& a, tnn::Sequential& b) {
 }
 
 TEST(Offload, StepIsBitIdenticalToTheSameKernelOnTheDevice) {
-  for (const auto& [bits, during_backward] :
-       {std::pair(32, false), std::pair(8, false), std::pair(32, true), std::pair(8, true)}) {
+  for (const auto& [bits, during_backward] : {std::pair(32, false), std::pair(8, false), std::pair(4, false),
+                                              std::pair(32, true), std::pair(8, true), std::pair(4, true)}) {
     SCOPED_TRACE(std::to_string(bits) + (during_backward ? " bits, copies during the backward" : " bits"));
     auto on_device = model(), offloaded = model();
-    // The on-device reference: the same fused kernel (AdamW8bit; fp32 state when nothing is quantized).
-    optim::AdamW8bit reference(
-        on_device->parameters(),
-        optim::AdamW8bitOptions(1e-3).min_8bit_size(bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
+    // The on-device reference: the same fused kernel (AdamW8bit, or AdamW4bit; fp32 state when nothing is
+    // quantized).
+    std::unique_ptr<torch::optim::Optimizer> reference;
+    if (bits == 4) {
+      reference = std::make_unique<optim::AdamW4bit>(on_device->parameters(), optim::AdamW4bitOptions(1e-3));
+    } else {
+      reference = std::make_unique<optim::AdamW8bit>(
+          on_device->parameters(), optim::AdamW8bitOptions(1e-3).min_8bit_size(
+                                       bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
+    }
     OffloadOptimizer opt(
         offloaded->parameters(),
         OffloadOptimizerOptions(1e-3).state_bits(bits).copy_during_backward(during_backward));
-    train(on_device, reference, 50);
+    train(on_device, *reference, 50);
     train(offloaded, opt, 50);
     expect_same_parameters(on_device, offloaded);
   }
@@ -505,10 +511,10 @@ TEST(Offload, ClippingSeesTheTrueGradients) {
   }
 }
 
-TEST(Offload, SaveAndLoadResumeExactly) {
+void expect_save_and_load_resume_exactly(int bits) {
   auto straight = model(), resumed = model();
   OffloadOptimizer a(straight->parameters(),
-                     OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+                     OffloadOptimizerOptions(1e-3).state_bits(bits).min_offload_size(1000));
   train(straight, a, 3);
   std::stringstream file;
   {
@@ -517,7 +523,7 @@ TEST(Offload, SaveAndLoadResumeExactly) {
     archive.save_to(file);
   }
   OffloadOptimizer b(resumed->parameters(),
-                     OffloadOptimizerOptions(1e-3).state_bits(8).min_offload_size(1000));
+                     OffloadOptimizerOptions(1e-3).state_bits(bits).min_offload_size(1000));
   {
     // The model is saved and loaded on its own, as with any optimizer: here, copied.
     torch::NoGradGuard no_grad;
@@ -544,6 +550,23 @@ TEST(Offload, SaveAndLoadResumeExactly) {
   const auto before = resumed->parameters()[0].clone();
   EXPECT_THROW(b.load(in), c10::Error);
   EXPECT_TRUE(torch::equal(before, resumed->parameters()[0]));
+
+  // A file of the other width changes nothing either.
+  OffloadOptimizer d(resumed->parameters(),
+                     OffloadOptimizerOptions(1e-3).state_bits(12 - bits).min_offload_size(1000));
+  file.clear();
+  file.seekg(0);
+  torch::serialize::InputArchive again;
+  again.load_from(file);
+  EXPECT_THROW(d.load(again), c10::Error);
+  EXPECT_TRUE(torch::equal(before, resumed->parameters()[0]));
+}
+
+TEST(Offload, SaveAndLoadResumeExactly) {
+  for (const int bits : {8, 4}) {
+    SCOPED_TRACE(std::to_string(bits) + "-bit state");
+    expect_save_and_load_resume_exactly(bits);
+  }
 }
 
 TEST(Offload, ParametersWithoutGradientsAreLeftAlone) {
@@ -563,7 +586,7 @@ TEST(OffloadErrors, BadInputIsRejected) {
   auto cpu = torch::zeros({4}, torch::requires_grad());
   auto meta = torch::empty({4}, torch::TensorOptions().device(torch::kMeta).requires_grad(true));
   EXPECT_THROW(OffloadOptimizer({cpu, meta}), c10::Error);
-  EXPECT_THROW(OffloadOptimizer({cpu}, OffloadOptimizerOptions().state_bits(4)), c10::Error);
+  EXPECT_THROW(OffloadOptimizer({cpu}, OffloadOptimizerOptions().state_bits(6)), c10::Error);
   EXPECT_THROW(OffloadOptimizer({cpu}, OffloadOptimizerOptions(-1)), c10::Error);
   EXPECT_THROW(OffloadOptimizer({cpu, cpu}), c10::Error);
 
@@ -572,6 +595,15 @@ TEST(OffloadErrors, BadInputIsRejected) {
   p.mutable_grad() = torch::eye(4, 3).to_sparse();
   EXPECT_THROW(opt.step(), c10::Error);
   EXPECT_TRUE(torch::equal(p, torch::zeros({4, 3})));
+
+  // The host optimizer's kind is made with it: 8-bit state cannot turn into 4-bit state later.
+  p.mutable_grad() = torch::ones({4, 3});
+  static_cast<OffloadOptimizerOptions&>(opt.param_groups()[0].options()).state_bits(4);
+  EXPECT_THROW(opt.step(), c10::Error);
+  EXPECT_TRUE(torch::equal(p, torch::zeros({4, 3})));
+  static_cast<OffloadOptimizerOptions&>(opt.param_groups()[0].options()).state_bits(8);  // 32 -> 8: allowed
+  opt.step();
+  EXPECT_FALSE(torch::equal(p, torch::zeros({4, 3})));
 }
 
 TEST(Offload, TheTrainerOffloadsWithARecipe) {

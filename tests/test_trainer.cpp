@@ -263,6 +263,14 @@ TEST(Trainer, EveryPairOfTechniquesComposesAndTrains) {
   }
 }
 
+TEST(Trainer, FourBitStateTrainsAndIsWhatTheFactoryBuilds) {
+  const auto [first, last] = train(Recipe().state_bits(4));
+  EXPECT_LT(last, first * 0.7);
+  auto net = small_mlp();
+  const auto opt = adamw()(net->parameters(), Recipe().state_bits(4));
+  ASSERT_NE(dynamic_cast<optim::AdamW4bit*>(opt.get()), nullptr);
+}
+
 TEST(Trainer, AccumulationGivesTheFullBatchStep) {
   // Same model, same batch: micro-batches of 8 (with a short last one) take the same SGD step as the full
   // batch, up to float rounding.
@@ -310,10 +318,16 @@ TEST(TrainerErrors, ImpossibleRecipesAreRejectedAtConstruction) {
   EXPECT_THROW(Trainer(net, adamw(), Recipe().micro_batch(-1)), c10::Error);
   EXPECT_THROW(Trainer(net, adamw(), Recipe().amp(torch::kHalf)), c10::Error);  // fp16 autocast on the CPU
   EXPECT_THROW(Trainer(net, adamw(), Recipe().amp(torch::kFloat)), c10::Error);
-  EXPECT_THROW(Trainer(net, adamw(), Recipe().state_bits(4)), c10::Error);
+  EXPECT_THROW(Trainer(net, adamw(), Recipe().state_bits(6)), c10::Error);
+  EXPECT_THROW(Trainer(net, sgd(0.1), Recipe().state_bits(4)), c10::Error);  // 4-bit state: AdamW only
   EXPECT_THROW(Trainer(net, adamw(), Recipe().checkpoint(Checkpointing::segments(9))), c10::Error);
   auto plain = std::make_shared<torch::optim::AdamW>(net->parameters());
   EXPECT_THROW(Trainer(net, plain, Recipe().state_bits(8)), c10::Error);
+  auto eight = std::make_shared<optim::AdamW8bit>(net->parameters());
+  EXPECT_THROW(Trainer(net, eight, Recipe().state_bits(4)), c10::Error);
+  auto four = std::make_shared<optim::AdamW4bit>(net->parameters());
+  EXPECT_NO_THROW(Trainer(net, four, Recipe().state_bits(4)));
+  EXPECT_THROW(Trainer(net, four, Recipe().state_bits(8)), c10::Error);
 }
 
 TEST(TrainerErrors, BadBatchesChangeNothing) {

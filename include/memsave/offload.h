@@ -40,7 +40,7 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   TORCH_ARG(double, eps) = 1e-8;
   /// Decoupled weight decay (AdamW).
   TORCH_ARG(double, weight_decay) = 1e-2;
-  /// Bits per element of the host-side state: 32 or 8 (blockwise, as AdamW8bit).
+  /// Bits per element of the host-side state: 32, 8 (blockwise, as AdamW8bit) or 4 (as AdamW4bit).
   TORCH_ARG(int64_t, state_bits) = 32;
   /// Tensors with fewer elements stay on the device with an on-device AdamW (0: offload everything).
   TORCH_ARG(int64_t, min_offload_size) = 0;
@@ -136,9 +136,9 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   void copy_back(const Offloaded& o, bool beside);
 
   std::vector<Offloaded> offloaded_;
-  std::unique_ptr<optim::AdamW8bit> host_;       ///< over the masters; state in the host arena
-  std::unique_ptr<torch::optim::AdamW> device_;  ///< over the small tensors, on the device
-  std::shared_ptr<BackwardCopies> copies_;       ///< null without copy_during_backward
+  std::unique_ptr<optim::LowBitOptimizer> host_;  ///< over the masters; state in the host arena
+  std::unique_ptr<torch::optim::AdamW> device_;   ///< over the small tensors, on the device
+  std::shared_ptr<BackwardCopies> copies_;        ///< null without copy_during_backward
   CopyCounts last_copies_;
 };
 

@@ -1,4 +1,4 @@
-// Optimizers with 8-bit state: Adam8bit, AdamW8bit, Lion8bit and SGD8bit.
+// Optimizers with 8-bit state (Adam8bit, AdamW8bit, Lion8bit, SGD8bit) and 4-bit state (Adam4bit, AdamW4bit).
 //
 //   memsave::optim::AdamW8bit opt(net->parameters(),
 //   memsave::optim::AdamW8bitOptions(1e-3).weight_decay(0.01));
@@ -9,6 +9,11 @@
 // block: dequantize, update, new block absmax, requantize. Adam keeps about 2 bytes of state per parameter
 // instead of 8. Tensors under `min_8bit_size` elements keep fp32 state, as does any parameter passed to
 // `force_32bit`.
+//
+// The 4-bit optimizers (Li et al., "Memory Efficient Optimizers with 4-bit States", 2023; torchao's
+// AdamW4bit) pack two codes to a byte, in blocks of 128 by default: a 16-value dynamic-exponent book for the
+// first moment and the linear book k/16 (k = 1...16, no zero) for the second, so that a small second moment
+// never dequantizes to 0 and blows up its update. Adam keeps about 1.06 bytes of state per parameter.
 #pragma once
 
 #include <memsave/memory.h>
@@ -117,13 +122,60 @@ struct SGD8bitOptions : torch::optim::OptimizerCloneableOptions<SGD8bitOptions> 
   friend bool operator==(const SGD8bitOptions& a, const SGD8bitOptions& b);
 };
 
-/// One parameter's state: 8-bit codes with one absmax per block, or fp32 tensors (block_size 0).
+struct Adam4bitOptions : torch::optim::OptimizerCloneableOptions<Adam4bitOptions> {
+  Adam4bitOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Coefficients of the running averages of the gradient and of its square.
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator.
+  TORCH_ARG(double, eps) = 1e-8;
+  /// L2 penalty added to the gradient.
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 128;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_4bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const Adam4bitOptions& a, const Adam4bitOptions& b);
+};
+
+struct AdamW4bitOptions : torch::optim::OptimizerCloneableOptions<AdamW4bitOptions> {
+  AdamW4bitOptions(double lr = 1e-3) : lr_(lr) {}  // NOLINT
+  /// Learning rate.
+  TORCH_ARG(double, lr) = 1e-3;
+  /// Coefficients of the running averages of the gradient and of its square.
+  TORCH_ARG(betas_t, betas) = std::make_tuple(0.9, 0.999);
+  /// Added to the denominator.
+  TORCH_ARG(double, eps) = 1e-8;
+  /// Decoupled weight decay: each step multiplies the parameters by 1 - lr * weight_decay.
+  TORCH_ARG(double, weight_decay) = 1e-2;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 128;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_4bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const AdamW4bitOptions& a, const AdamW4bitOptions& b);
+};
+
+/// One parameter's state: 8-bit or 4-bit codes with one absmax per block, or fp32 tensors (block_size 0).
 struct QuantizedParamState : torch::optim::OptimizerCloneableParamState<QuantizedParamState> {
   /// Steps taken.
   TORCH_ARG(int64_t, step) = 0;
-  /// First moment (SGD: momentum buffer): uint8 codes of the signed book, or float32.
+  /// First moment (SGD: momentum buffer): codes of the signed book (uint8, one per element, or for 4-bit
+  /// state two per byte: element 2i in the high nibble), or float32.
   TORCH_ARG(torch::Tensor, m);
-  /// Second moment (Adam rules): uint8 codes of the unsigned book, or float32; undefined otherwise.
+  /// Second moment (Adam rules): codes of the unsigned book as `m`, or float32; undefined otherwise.
   TORCH_ARG(torch::Tensor, v);
   /// float32, one per block of `m` (8-bit state only).
   TORCH_ARG(torch::Tensor, absmax_m);
@@ -131,6 +183,8 @@ struct QuantizedParamState : torch::optim::OptimizerCloneableParamState<Quantize
   TORCH_ARG(torch::Tensor, absmax_v);
   /// Elements per block; 0 for fp32 state.
   TORCH_ARG(int64_t, block_size) = 0;
+  /// Bits per code of quantized state: 8 or 4.
+  TORCH_ARG(int64_t, bits) = 8;
 
  public:
   bool quantized() const { return block_size() > 0; }
@@ -139,7 +193,7 @@ struct QuantizedParamState : torch::optim::OptimizerCloneableParamState<Quantize
   friend bool operator==(const QuantizedParamState& a, const QuantizedParamState& b);
 };
 
-/// What the four optimizers share: state, the fused step, save and load. Use one of the four classes below.
+/// What the optimizers share: state, the fused step, save and load. Use one of the classes below.
 class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
  public:
   /// NOTE: copying would duplicate or alias the optimizer state; move the optimizer or hold it by pointer.
@@ -162,18 +216,20 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   std::vector<torch::Tensor> state_fp32(const torch::Tensor& param) const;
   /// Every state tensor (codes, absmaxes, fp32 moments), for the memory meter.
   std::vector<torch::Tensor> state_tensors() const override;
+  /// Bits per code of the quantized state: 8 or 4.
+  int bits() const { return bits_; }
 
  protected:
   /// One group's hyper-parameters in a common form.
   struct Hyper {
     double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, dampening = 0;
     bool nesterov = false;
-    int64_t block_size = 256, min_8bit_size = 4096;
+    int64_t block_size = 256, min_quantized_size = 4096;
   };
   enum class Kind : int32_t { kAdam = 0, kAdamW = 1, kLion = 2, kSgd = 3 };
 
   LowBitOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
-                  std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind);
+                  std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind, int bits = 8);
   virtual Hyper hyper(const torch::optim::OptimizerOptions& options) const = 0;
   /// Checks a group's hyper-parameters (constructor and every step), naming the bad one.
   static void check(const Hyper& h, Kind kind);
@@ -181,6 +237,7 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
  private:
   torch::Tensor step_impl(LossClosure closure, const torch::Tensor& inv_scale);
   Kind kind_;
+  int bits_;  ///< of quantized state: 8 or 4
   std::unordered_set<const void*> forced_32bit_;
 };
 
@@ -222,6 +279,30 @@ class SGD8bit : public LowBitOptimizer {
   explicit SGD8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGD8bitOptions defaults);
   explicit SGD8bit(std::vector<torch::Tensor> params, SGD8bitOptions defaults)
       : SGD8bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
+/// Adam with 4-bit state (about 1.06 bytes per parameter against Adam8bit's 2.03 and Adam's 8).
+class Adam4bit : public LowBitOptimizer {
+ public:
+  explicit Adam4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                    Adam4bitOptions defaults = {});
+  explicit Adam4bit(std::vector<torch::Tensor> params, Adam4bitOptions defaults = {})
+      : Adam4bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
+/// AdamW with 4-bit state.
+class AdamW4bit : public LowBitOptimizer {
+ public:
+  explicit AdamW4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                     AdamW4bitOptions defaults = {});
+  explicit AdamW4bit(std::vector<torch::Tensor> params, AdamW4bitOptions defaults = {})
+      : AdamW4bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
 
  protected:
   Hyper hyper(const torch::optim::OptimizerOptions& options) const override;

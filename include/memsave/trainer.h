@@ -75,7 +75,7 @@ struct Recipe {
   TORCH_ARG(GradScaling, grad_scaling) = GradScaling::kAuto;
   /// Activation checkpointing of the model.
   TORCH_ARG(Checkpointing, checkpoint) = Checkpointing::none();
-  /// Optimizer state: 32 (fp32) or 8 (memsave's 8-bit optimizers).
+  /// Optimizer state: 32 (fp32), 8 (memsave's 8-bit optimizers) or 4 (its 4-bit AdamW).
   TORCH_ARG(int64_t, state_bits) = 32;
   /// Optimizer state in host memory.
   TORCH_ARG(Offload, offload) = Offload::kNone;
@@ -91,12 +91,12 @@ struct Recipe {
 using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
     const std::vector<torch::Tensor>& parameters, const Recipe& recipe)>;
 
-/// AdamW: LibTorch's torch::optim::AdamW for 32-bit state, memsave::optim::AdamW8bit for 8-bit,
-/// memsave::OffloadOptimizer (with the recipe's bits, copying gradients during the backward) when the recipe
-/// offloads the optimizer state. (A Trainer given an OffloadOptimizer with `step_during_backward` steps
-/// during the backward when its recipe neither clips nor scales.)
+/// AdamW: LibTorch's torch::optim::AdamW for 32-bit state, memsave::optim::AdamW8bit for 8-bit, AdamW4bit for
+/// 4-bit, memsave::OffloadOptimizer (with the recipe's bits, copying gradients during the backward) when the
+/// recipe offloads the optimizer state. (A Trainer given an OffloadOptimizer with `step_during_backward`
+/// steps during the backward when its recipe neither clips nor scales.)
 OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
-/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit; no offload.
+/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit; no 4-bit, no offload.
 OptimizerFactory sgd(double lr, double momentum = 0.9);
 
 struct StepStats {

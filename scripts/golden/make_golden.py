@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Golden values for memsave's tests, computed by the reference implementations (bitsandbytes, PyTorch).
+"""Golden values for memsave's tests, computed by the reference implementations (bitsandbytes, torchao, PyTorch).
 
 Run from the repository root with the project's environment:
-    .venv/bin/pip install bitsandbytes && .venv/bin/python scripts/golden/make_golden.py
+    .venv/bin/pip install bitsandbytes torchao && .venv/bin/python scripts/golden/make_golden.py
 It rewrites tests/data/golden.txt: one record a line, "name v1 v2 ...", floats in hexadecimal (exact).
 The tests read that file; they never run Python.
 """
@@ -70,13 +70,41 @@ def scaler_sequence():
     return scales, trackers, stepped, params
 
 
+QUAD_N = 4096        # the quadratic of tests/kernels/test_optim_cpu.cpp (run_quadratic)
+QUAD_RECORDED = (100, 300)
+QUAD_EVERY = 8       # parameters recorded: every 8th
+
+
+def quadratic_adam4bit():
+    """torchao's Adam4bit (block 128) on sum_i c_i (x_i - 1)^2 with curvatures over two decades per block."""
+    from torchao.optim import Adam4bit
+
+    i = torch.arange(QUAD_N)
+    curvature = torch.pow(10.0, (i % 5).float() * 0.5 - 1.0)
+    p = torch.nn.Parameter(((i * 37) % 101).float() / 25.0 - 2.0)
+    opt = Adam4bit([p], lr=5e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0, block_size=128)
+    records = []
+    for step in range(1, max(QUAD_RECORDED) + 1):
+        p.grad = 2 * curvature * (p.detach() - 1)
+        opt.step()
+        if step in QUAD_RECORDED:
+            records.append((step, p.detach()[::QUAD_EVERY].clone()))
+    return records
+
+
 def main():
     import bitsandbytes.functional as F
+    import torchao
+    from torchao.optim import subclass_4bit
 
     lines = [f"# made by scripts/golden/make_golden.py: torch {torch.__version__}, "
-             f"bitsandbytes {sys.modules['bitsandbytes'].__version__}"]
+             f"bitsandbytes {sys.modules['bitsandbytes'].__version__}, torchao {torchao.__version__}"]
     lines.append("codebook.signed " + hexes(F.create_dynamic_map(signed=True)))
     lines.append("codebook.unsigned " + hexes(F.create_dynamic_map(signed=False)))
+    # torchao's AdamW4bit books, as the float32 tensors its optimizer state holds
+    lines.append("codebook4.signed " + hexes(torch.tensor(subclass_4bit.get_qmap_signed(), dtype=torch.float32)))
+    lines.append("codebook4.unsigned " + hexes(torch.tensor(subclass_4bit.get_qmap_unsigned(),
+                                                            dtype=torch.float32)))
     lines.append("trajectory.initial " + hexes(initial_params()))
     for name, make in OPTIMIZERS.items():
         p = torch.nn.Parameter(initial_params())
@@ -99,6 +127,8 @@ def main():
             lines.append(f"{name}.late.params " + hexes(p.detach()))
             for key in ("exp_avg", "exp_avg_sq"):
                 lines.append(f"{name}.late.{key} " + hexes(state[key]))
+    for step, params in quadratic_adam4bit():
+        lines.append(f"torchao_adam4bit.quadratic.params.{step} " + hexes(params))
     scales, trackers, stepped, params = scaler_sequence()
     lines.append("scaler.scale " + hexes(torch.tensor(scales)))
     lines.append("scaler.tracker " + hexes(torch.tensor(trackers)))

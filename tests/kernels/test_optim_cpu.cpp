@@ -103,7 +103,7 @@ TEST(Step32, MatchesPyTorchOptimizersOver100Steps) {
 /// Brute-force nearest code, ties toward zero: independent of the search tables.
 std::uint8_t nearest(const CodeBook& book, float x) {
   int best = 0;
-  for (int i = 1; i < kCodes; ++i) {
+  for (int i = 1; i < book.count; ++i) {
     const double d = std::fabs(static_cast<double>(x) - book.code[i]);
     const double b = std::fabs(static_cast<double>(x) - book.code[best]);
     if (d < b || (d == b && std::fabs(book.code[i]) < std::fabs(book.code[best]))) best = i;
@@ -111,29 +111,65 @@ std::uint8_t nearest(const CodeBook& book, float x) {
   return static_cast<std::uint8_t>(best);
 }
 
+/// Quantized state as the kernels keep it: 8-bit codes one to a byte, 4-bit codes two to a byte (element
+/// 2i in the high nibble), starting at the signed book's 0 and the unsigned book's lowest code.
 struct State8 {
+  int bits;
   std::vector<std::uint8_t> m, v;
   std::vector<float> absmax_m, absmax_v;
-  State8(std::int64_t n, std::int64_t block)
-      : m(n, 127),
-        v(n, 0),
+  State8(std::int64_t n, std::int64_t block, int bits = 8)
+      : bits(bits),
+        m(bits == 4 ? (n + 1) / 2 : n, bits == 4 ? 0x77 : 127),
+        v(bits == 4 ? (n + 1) / 2 : n, 0),
         absmax_m((n + block - 1) / block, 0.0f),
         absmax_v((n + block - 1) / block, 0.0f) {}
+
+  /// Element i's code, read as the layout above says (independently of qmap.h's code_at).
+  int get(const std::vector<std::uint8_t>& codes, std::int64_t i) const {
+    if (bits == 8) return codes[i];
+    return i % 2 == 0 ? codes[i / 2] / 16 : codes[i / 2] % 16;
+  }
+  /// A step of this state over n fp32 parameters.
+  StepQuantized step(float* p, const float* g, std::int64_t n, std::int64_t block, Rule rule,
+                     const StepScalars& k) {
+    StepQuantized q;
+    q.param = p;
+    q.grad = g;
+    q.m = m.data();
+    q.v = has_second_moment(rule) ? v.data() : nullptr;
+    q.absmax_m = absmax_m.data();
+    q.absmax_v = has_second_moment(rule) ? absmax_v.data() : nullptr;
+    q.numel = n;
+    q.block_size = block;
+    q.rule = rule;
+    q.scalars = k;
+    q.bits = bits;
+    return q;
+  }
+  void set(std::vector<std::uint8_t>& codes, std::int64_t i, int code) const {
+    if (bits == 8) {
+      codes[i] = static_cast<std::uint8_t>(code);
+    } else if (i % 2 == 0) {
+      codes[i / 2] = static_cast<std::uint8_t>(code * 16 + codes[i / 2] % 16);
+    } else {
+      codes[i / 2] = static_cast<std::uint8_t>(codes[i / 2] / 16 * 16 + code);
+    }
+  }
 };
 
-/// The blockwise 8-bit step written plainly: the specification the fused kernel must meet bit for bit.
+/// The blockwise quantized step written plainly: the specification the fused kernel must meet bit for bit.
 template <Rule R>
 void reference_step8(std::vector<float>& p, const std::vector<float>& g, State8& s, std::int64_t block,
                      const StepScalars& k) {
-  const CodeBook& sb = signed_code_book();
-  const CodeBook& ub = unsigned_code_book();
+  const CodeBook& sb = signed_code_book(s.bits);
+  const CodeBook& ub = unsigned_code_book(s.bits);
   const auto n = static_cast<std::int64_t>(p.size());
   for (std::int64_t b = 0; b * block < n; ++b) {
     const std::int64_t end = std::min(n, (b + 1) * block);
     std::vector<float> m, v;
     for (std::int64_t i = b * block; i < end; ++i) {
-      float mi = sb.code[s.m[i]] * s.absmax_m[b];
-      float vi = ub.code[s.v[i]] * s.absmax_v[b];
+      float mi = sb.code[s.get(s.m, i)] * s.absmax_m[b];
+      float vi = ub.code[s.get(s.v, i)] * s.absmax_v[b];
       update<R>(p[i], g[i], mi, vi, k);
       m.push_back(mi);
       v.push_back(vi);
@@ -146,40 +182,34 @@ void reference_step8(std::vector<float>& p, const std::vector<float>& g, State8&
     s.absmax_m[b] = am;
     s.absmax_v[b] = av;
     for (std::int64_t i = b * block; i < end; ++i) {
-      s.m[i] = nearest(sb, m[i - b * block] * (am > 0 ? 1.0f / am : 1.0f));
-      if (has_second_moment(R)) s.v[i] = nearest(ub, v[i - b * block] * (av > 0 ? 1.0f / av : 1.0f));
+      s.set(s.m, i, nearest(sb, m[i - b * block] * (am > 0 ? 1.0f / am : 1.0f)));
+      if (has_second_moment(R)) s.set(s.v, i, nearest(ub, v[i - b * block] * (av > 0 ? 1.0f / av : 1.0f)));
+    }
+    if (s.bits == 4 && end == n && n % 2 != 0) {  // the last byte's unused low nibble is written as 0
+      s.m[n / 2] &= 0xf0u;
+      if (has_second_moment(R)) s.v[n / 2] &= 0xf0u;
     }
   }
 }
 
 template <Rule R>
-void expect_fused_equals_reference(std::int64_t n, std::int64_t block) {
+void expect_fused_equals_reference(std::int64_t n, std::int64_t block, int bits) {
   SCOPED_TRACE("rule " + std::to_string(static_cast<int>(R)) + ", n " + std::to_string(n) + ", block " +
-               std::to_string(block));
+               std::to_string(block) + ", bits " + std::to_string(bits));
   std::mt19937 rng(static_cast<unsigned>(n * 31 + block));
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::vector<float> p(n), q;
   for (float& x : p) x = normal(rng);
   q = p;
-  State8 fused(n, block), reference(n, block);
+  State8 fused(n, block, bits), reference(n, block, bits);
   for (int t = 1; t <= 5; ++t) {
     std::vector<float> g(n);
     for (std::int64_t i = 0; i < n; ++i) g[i] = normal(rng) * (i % 7 == 0 ? 1e-4f : 1.0f);
     const StepScalars k = make_step_scalars(R, 1e-3, 0.9, 0.999, 1e-8, 0.01, t);
-    Step8 step;
-    step.param = p.data();
-    step.grad = g.data();
-    step.m = fused.m.data();
-    step.v = has_second_moment(R) ? fused.v.data() : nullptr;
-    step.absmax_m = fused.absmax_m.data();
-    step.absmax_v = has_second_moment(R) ? fused.absmax_v.data() : nullptr;
-    step.numel = n;
-    step.block_size = block;
-    step.rule = R;
-    step.scalars = k;
+    const StepQuantized step = fused.step(p.data(), g.data(), n, block, R, k);
     const std::int64_t blocks = (n + block - 1) / block;
-    step8_cpu(step, 0, blocks / 2);  // two ranges, as two threads would take them
-    step8_cpu(step, blocks / 2, blocks);
+    step_quantized_cpu(step, 0, blocks / 2);  // two ranges, as two threads would take them
+    step_quantized_cpu(step, blocks / 2, blocks);
     reference_step8<R>(q, g, reference, block, k);
     ASSERT_EQ(std::memcmp(p.data(), q.data(), n * sizeof(float)), 0) << "parameters differ at step " << t;
     ASSERT_EQ(fused.m, reference.m) << "first-moment codes differ at step " << t;
@@ -191,89 +221,117 @@ void expect_fused_equals_reference(std::int64_t n, std::int64_t block) {
   }
 }
 
-TEST(Step8, FusedKernelEqualsThePlainSpecificationBitForBit) {
-  for (const std::int64_t block : {64, 256, 4096}) {
-    for (const std::int64_t n : {std::int64_t{1}, std::int64_t{37}, block, 3 * block + 17}) {
-      expect_fused_equals_reference<Rule::kAdamW>(n, block);
-      expect_fused_equals_reference<Rule::kAdam>(n, block);
-      expect_fused_equals_reference<Rule::kLion>(n, block);
-      expect_fused_equals_reference<Rule::kSgd>(n, block);
+TEST(StepQuantized, FusedKernelEqualsThePlainSpecificationBitForBit) {
+  for (const int bits : {8, 4}) {
+    for (const std::int64_t block : {64, 128, 256, 4096}) {
+      for (const std::int64_t n : {std::int64_t{1}, std::int64_t{37}, block, 3 * block + 17}) {
+        expect_fused_equals_reference<Rule::kAdamW>(n, block, bits);
+        expect_fused_equals_reference<Rule::kAdam>(n, block, bits);
+        expect_fused_equals_reference<Rule::kLion>(n, block, bits);
+        expect_fused_equals_reference<Rule::kSgd>(n, block, bits);
+      }
     }
   }
   std::printf("CPU kernels ran with %s\n", cpu_kernel_isa());
 }
 
-TEST(Step8, TracksFp32AdamOnAQuadratic) {
-  // minimize sum_i c_i (x_i - 1)^2, curvatures over two decades in every block; 8-bit and fp32 Adam from the
-  // same start. NOTE: a block whose second moments span more than the code book's seven decades loses its
-  // smallest ones to zero, and Adam then divides by eps alone: keep curvatures within a block comparable in
-  // such tests.
+/// Quantized and fp32 Adam from the same start on sum_i c_i (x_i - 1)^2, curvatures over two decades in every
+/// block. NOTE: a block whose second moments span more than the 8-bit book's seven decades loses its smallest
+/// ones to zero, and Adam then divides by eps alone: keep curvatures within a block comparable in such tests.
+struct QuadraticRun {
+  double initial = 0, loss32_at_100 = 0, loss_at_100 = 0, loss32 = 0, loss = 0, worst = 0;
+  std::vector<float> params_at_100, params;  ///< of the quantized run
+};
+
+QuadraticRun run_quadratic(int bits, std::int64_t block) {
   constexpr std::int64_t n = 4096;
-  std::vector<float> curvature(n), p8(n), p32(n), m32(n, 0.0f), v32(n, 0.0f);
+  std::vector<float> curvature(n), pq(n), p32(n), m32(n, 0.0f), v32(n, 0.0f);
   for (std::int64_t i = 0; i < n; ++i) {
     curvature[i] = std::pow(10.0f, static_cast<float>(i % 5) * 0.5f - 1.0f);
-    p8[i] = p32[i] = static_cast<float>((i * 37) % 101) / 25.0f - 2.0f;
+    pq[i] = p32[i] = static_cast<float>((i * 37) % 101) / 25.0f - 2.0f;
   }
-  State8 s(n, 256);
+  State8 s(n, block, bits);
   auto loss = [&](const std::vector<float>& p) {
     double total = 0;
     for (std::int64_t i = 0; i < n; ++i) total += curvature[i] * std::pow(p[i] - 1.0, 2);
     return total;
   };
-  const double initial = loss(p32);
+  QuadraticRun run;
+  run.initial = loss(p32);
   for (int t = 1; t <= 300; ++t) {
-    std::vector<float> g8(n), g32(n);
+    std::vector<float> gq(n), g32(n);
     for (std::int64_t i = 0; i < n; ++i) {
-      g8[i] = 2 * curvature[i] * (p8[i] - 1.0f);
+      gq[i] = 2 * curvature[i] * (pq[i] - 1.0f);
       g32[i] = 2 * curvature[i] * (p32[i] - 1.0f);
     }
     const StepScalars k = make_step_scalars(Rule::kAdam, 5e-2, 0.9, 0.999, 1e-8, 0, t);
-    Step8 step8{
-        p8.data(), g8.data(), DType::kFloat32, s.m.data(), s.v.data(), s.absmax_m.data(), s.absmax_v.data(),
-        n,         256,       Rule::kAdam,     k,          1.0f};
-    step8_cpu(step8, 0, n / 256);
+    const StepQuantized step = s.step(pq.data(), gq.data(), n, block, Rule::kAdam, k);
+    step_quantized_cpu(step, 0, n / block);
     Step32 step32{p32.data(), g32.data(), DType::kFloat32, m32.data(), v32.data(), n, Rule::kAdam, k, 1.0f};
     step32_cpu(step32, 0, n);
-    if (t == 100) {
-      // mid-way the 8-bit run is behind, but by a bounded amount
-      EXPECT_LE(loss(p8), 5 * loss(p32)) << "step 100";
-    }
+    if (t == 100) run.loss_at_100 = loss(pq), run.loss32_at_100 = loss(p32), run.params_at_100 = pq;
   }
-  // The stated bound: after 300 steps both runs have reduced the loss below 1e-10 of its start, and no 8-bit
-  // parameter is more than 1e-4 from its fp32 counterpart.
-  EXPECT_LT(loss(p32), 1e-10 * initial);
-  EXPECT_LT(loss(p8), 1e-10 * initial);
-  double worst = 0;
+  run.params = pq;
+  run.loss32 = loss(p32);
+  run.loss = loss(pq);
   for (std::int64_t i = 0; i < n; ++i)
-    worst = std::max(worst, std::fabs(static_cast<double>(p8[i]) - p32[i]));
-  EXPECT_LE(worst, 1e-4);
+    run.worst = std::max(run.worst, std::fabs(static_cast<double>(pq[i]) - p32[i]));
+  return run;
 }
 
-TEST(Step8, ANonFiniteGradientPoisonsOnlyItsBlock) {
+TEST(StepQuantized, TracksFp32AdamOnAQuadratic) {
+  const QuadraticRun r = run_quadratic(8, 256);
+  // mid-way the 8-bit run is behind, but by a bounded amount
+  EXPECT_LE(r.loss_at_100, 5 * r.loss32_at_100) << "step 100";
+  // The stated bound: after 300 steps both runs have reduced the loss below 1e-10 of its start, and no 8-bit
+  // parameter is more than 1e-4 from its fp32 counterpart.
+  EXPECT_LT(r.loss32, 1e-10 * r.initial);
+  EXPECT_LT(r.loss, 1e-10 * r.initial);
+  EXPECT_LE(r.worst, 1e-4);
+}
+
+TEST(StepQuantized, FourBitAdamFollowsTorchaosAdam4bitOnAQuadratic) {
+  // The same quadratic with torchao's Adam4bit (block 128) as the reference (scripts/golden/make_golden.py,
+  // every 8th parameter after 100 and 300 steps). 4-bit state cannot follow fp32 Adam down to 1e-10 here:
+  // once a parameter's gradient is small against its block's largest, its first moment rounds to 0 and it
+  // stops (both implementations end near a loss of 413 of 28150, fp32 Adam near 2e-9). What is asserted is
+  // that memsave's 4-bit step is the same algorithm as torchao's: torchao divides by the absmax instead of
+  // multiplying by its inverse, rounds ties up and lets torch.compile order the float operations, so a few
+  // codes differ, and the bound is on the parameters, not their bits.
+  const QuadraticRun r = run_quadratic(4, 128);
+  for (const auto& [t, params] : {std::make_pair(100, &r.params_at_100), std::make_pair(300, &r.params)}) {
+    const std::vector<float>& expected = golden("torchao_adam4bit.quadratic.params." + std::to_string(t));
+    ASSERT_EQ(expected.size() * 8, params->size());
+    double worst = 0, total = 0;
+    for (std::size_t j = 0; j < expected.size(); ++j) {
+      const double d = std::fabs(static_cast<double>((*params)[8 * j]) - expected[j]);
+      worst = std::max(worst, d);
+      total += d;
+    }
+    // measured: worst 1.0e-5 and mean 2.5e-6 after 100 steps; worst 1.8e-3 (one parameter) and mean 1.1e-5
+    // after 300
+    EXPECT_LE(worst, t == 100 ? 1e-4 : 1e-2) << "step " << t;
+    EXPECT_LE(total / static_cast<double>(expected.size()), 1e-4) << "step " << t;
+  }
+  EXPECT_LT(r.loss_at_100, 0.1 * r.initial);
+  EXPECT_LT(r.loss, 0.5 * r.loss_at_100);
+}
+
+TEST(StepQuantized, ANonFiniteGradientPoisonsOnlyItsBlock) {
   constexpr std::int64_t n = 512, block = 256;
   std::vector<float> p(n, 1.0f), g(n, 0.5f);
   g[10] = NAN;
   State8 s(n, block);
-  Step8 step{p.data(),
-             g.data(),
-             DType::kFloat32,
-             s.m.data(),
-             s.v.data(),
-             s.absmax_m.data(),
-             s.absmax_v.data(),
-             n,
-             block,
-             Rule::kAdamW,
-             make_step_scalars(Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0, 1),
-             1.0f};
-  step8_cpu(step, 0, 2);
+  const StepQuantized step = s.step(p.data(), g.data(), n, block, Rule::kAdamW,
+                                    make_step_scalars(Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0, 1));
+  step_quantized_cpu(step, 0, 2);
   EXPECT_TRUE(std::isnan(s.absmax_m[0]));
   EXPECT_TRUE(std::isnan(s.absmax_v[0]));
   EXPECT_TRUE(std::isfinite(s.absmax_m[1]));
   EXPECT_TRUE(std::isfinite(p[300]));
 }
 
-TEST(Step8, VectorQuantizeIsTheScalarRuleOnAnyValue) {
+TEST(StepQuantized, VectorQuantizeIsTheScalarRuleOnAnyValue) {
   // Every bit pattern is fair game here (NaN, infinities, magnitudes beyond 1 and 2, subnormals, negative
   // values for the unsigned book), plus the values a block really holds, through every vector width and tail.
   std::mt19937 rng(7);
@@ -303,10 +361,11 @@ TEST(Step8, VectorQuantizeIsTheScalarRuleOnAnyValue) {
                             std::nextafter(0x1p-25f, 0.0f)};
   for (std::size_t k = 0; k < sizeof(specials) / sizeof(float); ++k) values[k] = specials[k];
   std::vector<std::uint8_t> vector_codes(n), scalar_codes(n);
-  for (const CodeBook* book : {&signed_code_book(), &unsigned_code_book()}) {
+  for (const CodeBook* book :
+       {&signed_code_book(8), &unsigned_code_book(8), &signed_code_book(4), &unsigned_code_book(4)}) {
     for (const float scale : {1.0f, 0.75f, 3.0f, 1e30f}) {
-      SCOPED_TRACE(std::string(book->is_signed ? "signed" : "unsigned") + " book, scale " +
-                   std::to_string(scale));
+      SCOPED_TRACE(std::string(book->is_signed ? "signed" : "unsigned") + " book of " +
+                   std::to_string(book->count) + ", scale " + std::to_string(scale));
       quantize_cpu(*book, values.data(), scale, vector_codes.data(), n);
       for (std::int64_t i = 0; i < n; ++i) scalar_codes[i] = quantize(*book, values[i] * scale);
       for (std::int64_t i = 0; i < n; ++i) {

@@ -40,12 +40,14 @@ struct Case {
   DType dtype = DType::kFloat32;
   bool quantized = true;
   std::int64_t block = 256;
+  int bits = 8;
 
   std::string name() const {
     static const char* const kRules[] = {"adam", "adamw", "lion", "sgd"};
     static const char* const kTypes[] = {"float32", "bfloat16", "float16"};
     return std::string(kRules[static_cast<int>(rule)]) + " " + kTypes[static_cast<int>(dtype)] + " " +
-           (quantized ? "8-bit, block " + std::to_string(block) : std::string("fp32 state"));
+           (quantized ? std::to_string(bits) + "-bit, block " + std::to_string(block)
+                      : std::string("fp32 state"));
   }
 };
 
@@ -66,7 +68,7 @@ void store(DType dtype, std::vector<unsigned char>& bytes, std::int64_t i, float
 struct Tensor {
   std::int64_t numel = 0;
   std::vector<unsigned char> param, grad;
-  std::vector<std::uint8_t> mq, vq;  // 8-bit state
+  std::vector<std::uint8_t> mq, vq;  // quantized state
   std::vector<float> m, v;           // fp32 state
   std::vector<float> absmax_m, absmax_v;
   StepScalars scalars;
@@ -98,13 +100,13 @@ std::vector<Tensor> make_tensors(const Case& s, const std::vector<std::int64_t>&
     for (std::int64_t i = 0; i < t.numel; ++i) store(s.dtype, t.param, i, normal(rng));
     if (s.quantized) {
       const auto blocks = static_cast<std::size_t>((t.numel + s.block - 1) / s.block);
-      t.mq.resize(n);
+      t.mq.resize(static_cast<std::size_t>(code_bytes(t.numel, s.bits)));  // any byte holds two 4-bit codes
       for (auto& c : t.mq) c = static_cast<std::uint8_t>(code(rng));
       t.absmax_m.resize(blocks);
       for (float& a : t.absmax_m) a = uniform(rng);
       if (blocks > 1) t.absmax_m[1] = 0.0f;
       if (second) {
-        t.vq.resize(n);
+        t.vq.resize(t.mq.size());
         for (auto& c : t.vq) c = static_cast<std::uint8_t>(code(rng));
         t.absmax_v.resize(blocks);
         for (float& a : t.absmax_v) a = uniform(rng) * 1e-2f;
@@ -152,7 +154,7 @@ void next_step(const Case& s, std::vector<Tensor>& tensors, int t, std::mt19937&
 void step_on_cpu(const Case& s, std::vector<Tensor>& tensors, float grad_scale) {
   const bool second = has_second_moment(s.rule);
   for (Tensor& t : tensors) {
-    auto common = [&](auto& step) {  // the fields Step8 and Step32 share
+    auto common = [&](auto& step) {  // the fields StepQuantized and Step32 share
       step.param = t.param.data();
       step.grad = t.grad.data();
       step.dtype = s.dtype;
@@ -162,14 +164,15 @@ void step_on_cpu(const Case& s, std::vector<Tensor>& tensors, float grad_scale) 
       step.grad_scale = grad_scale;
     };
     if (s.quantized) {
-      Step8 step;
+      StepQuantized step;
       common(step);
       step.m = t.mq.data();
       step.v = second ? t.vq.data() : nullptr;
       step.absmax_m = t.absmax_m.data();
       step.absmax_v = second ? t.absmax_v.data() : nullptr;
       step.block_size = s.block;
-      step8_cpu(step, 0, (t.numel + s.block - 1) / s.block);
+      step.bits = s.bits;
+      step_quantized_cpu(step, 0, (t.numel + s.block - 1) / s.block);
     } else {
       Step32 step;
       common(step);
@@ -201,10 +204,11 @@ int step_emulated(const Case& s, std::vector<Tensor>& tensors, EmulatedLaunch& l
   step.count = static_cast<int>(list.size());
   step.quantized = s.quantized;
   step.block_size = s.block;
+  step.bits = s.bits;
   step.rule = s.rule;
   step.dtype = s.dtype;
-  step.signed_book = &signed_code_book();
-  step.unsigned_book = &unsigned_code_book();
+  step.signed_book = &signed_code_book(s.bits);
+  step.unsigned_book = &unsigned_code_book(s.bits);
   step.inv_scale = inv_scale;
   step.found_inf = found_inf;
   return step_with(step, launch);
@@ -222,12 +226,12 @@ TEST(EmulatedCudaStep, IsBitIdenticalToTheCpuKernelsForEveryRuleTypeAndShape) {
   std::int64_t resident = 1;
   for (const Rule rule : {Rule::kAdam, Rule::kAdamW, Rule::kLion, Rule::kSgd}) {
     for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      for (const std::int64_t block :
-           {std::int64_t{0}, std::int64_t{64}, std::int64_t{256}, std::int64_t{2048}, std::int64_t{4096}}) {
-        const Case s{rule, dtype, block != 0, block != 0 ? block : 256};
+      for (const auto& [block, bits] : std::vector<std::pair<std::int64_t, int>>{
+               {0, 8}, {64, 8}, {256, 8}, {2048, 8}, {4096, 8}, {128, 4}, {256, 4}, {2048, 4}}) {
+        const Case s{rule, dtype, block != 0, block != 0 ? block : 256, bits};
         SCOPED_TRACE(s.name());
         std::mt19937 rng(static_cast<unsigned>(block) * 7 + static_cast<unsigned>(rule) * 3 +
-                         static_cast<unsigned>(dtype));
+                         static_cast<unsigned>(dtype) + static_cast<unsigned>(bits));
         std::vector<Tensor> cuda = make_tensors(s, sizes_for(s), rng);
         std::vector<Tensor> cpu = cuda;
         resident = 3 - resident;  // 2 and 1 thread blocks in turn
@@ -287,8 +291,8 @@ TEST(EmulatedCudaStep, UnscalesByInvScaleAndChangesNothingWhenFoundInfIsSet) {
   }
 }
 
-TEST(EmulatedCudaStep, RefusesBlockSizesOutsideTheCodeBooksRangeBeforeLaunching) {
-  for (const std::int64_t block : {std::int64_t{0}, kMaxBlock + 1}) {
+TEST(EmulatedCudaStep, RefusesBlockSizesAndCodeWidthsOutsideTheCodeBooksBeforeLaunching) {
+  for (const std::int64_t block : {std::int64_t{0}, kMinBlock - 2, kMaxBlock + 1}) {
     Case s{Rule::kAdamW, DType::kFloat32, true, 256};
     std::mt19937 rng(3);
     std::vector<Tensor> tensors = make_tensors(s, {100}, rng);
@@ -300,6 +304,14 @@ TEST(EmulatedCudaStep, RefusesBlockSizesOutsideTheCodeBooksRangeBeforeLaunching)
     EXPECT_EQ(launch.launches, 0);
     EXPECT_TRUE(tensors[0] == before[0]);
   }
+  Case s{Rule::kAdamW, DType::kFloat32, true, 256, 8};
+  std::mt19937 rng(3);
+  std::vector<Tensor> tensors = make_tensors(s, {100}, rng);
+  next_step(s, tensors, 1, rng);
+  s.bits = 6;  // codes of no book
+  EmulatedLaunch launch;
+  EXPECT_EQ(step_emulated(s, tensors, launch), kInvalidValue);
+  EXPECT_EQ(launch.launches, 0);
 }
 
 // ---- the emulation itself -------------------------------------------------------------------------------
