@@ -39,12 +39,31 @@ inline void dequantize_run(const CodeBook& book, const std::uint8_t* __restrict 
   std::int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 scale = _mm512_set1_ps(absmax);
+  if (book.count == 16) {  // the whole book in one register: a permute instead of a gather
+    const __m512 table = _mm512_loadu_ps(book.code);
+    for (; i + 16 <= n; i += 16) {
+      const __m512i index =
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(index, table), scale));
+    }
+  }
   for (; i + 16 <= n; i += 16) {
     const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(index, book.code, 4), scale));
   }
 #elif defined(__AVX2__)
   const __m256 scale = _mm256_set1_ps(absmax);
+  if (book.count == 16) {  // the book in two registers: two permutes and a blend on bit 3 of the code
+    const __m256 low = _mm256_loadu_ps(book.code), high = _mm256_loadu_ps(book.code + 8);
+    for (; i + 8 <= n; i += 8) {
+      const __m256i index =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
+      const __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(index, 28));  // sign bit: bit 3 of the code
+      const __m256 value = _mm256_blendv_ps(_mm256_permutevar8x32_ps(low, index),
+                                            _mm256_permutevar8x32_ps(high, index), upper);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(value, scale));
+    }
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(book.code, index, 4), scale));
