@@ -220,6 +220,8 @@ int64_t MemoryModel::optimizer_state(const Recipe& recipe) const {
   for (int64_t n : param_numel_) {
     if (recipe.state_bits() == 8 && n >= optim::AdamW8bitOptions().min_8bit_size())
       bytes += moments * (n + 4 * ((n + 255) / 256));  // one byte per element and a float per block of 256
+    else if (recipe.state_bits() == 4 && n >= optim::AdamW4bitOptions().min_4bit_size())
+      bytes += moments * ((n + 1) / 2 + 4 * ((n + 127) / 128));  // half a byte each, a float per 128
     else
       bytes += moments * 4 * n;
   }
@@ -278,13 +280,13 @@ int64_t MemoryModel::predict(const Recipe& recipe) const {
   const double held =
       static_cast<double>(param_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_);
   const double pass = held + pass_peak(a, recipe, static_cast<double>(rows), rows < batch_);
-  const bool own_kernels = recipe.state_bits() == 8 || recipe.offload() == Offload::kOptimizerState;
+  const bool own_kernels = recipe.state_bits() != 32 || recipe.offload() == Offload::kOptimizerState;
   const double step =
       static_cast<double>(static_bytes(recipe)) + (own_kernels ? 0 : static_cast<double>(step_extra_));
   return static_cast<int64_t>(std::llround(std::max(pass, step)));
 }
 
-std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device) {
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device, bool four_bit_state) {
   (void)device;  // bf16 autocast on both the CPU and CUDA: no scaler needed
   std::vector<Recipe> levels;
   levels.push_back(Recipe());
@@ -294,7 +296,9 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device
     levels.push_back(Recipe().amp(c10::kBFloat16).checkpoint(Checkpointing::segments(root)));
   if (elements >= 2) levels.push_back(Recipe().amp(c10::kBFloat16).checkpoint(Checkpointing::every_layer()));
   levels.push_back(Recipe(levels.back()).state_bits(8));
-  levels.push_back(Recipe(levels.back()).offload(Offload::kOptimizerState));
+  if (four_bit_state) levels.push_back(Recipe(levels.back()).state_bits(4));
+  // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
+  levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
   std::vector<int64_t> micro;
   for (int64_t m = batch; m >= 1; m = (m + 1) / 2) {
     micro.push_back(m);
@@ -304,6 +308,17 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device
   for (const Recipe& level : levels)
     for (int64_t m : micro) out.push_back(Recipe(level).micro_batch(m == batch ? 0 : m));
   return out;
+}
+
+bool builds_four_bit_state(const OptimizerFactory& optimizer) {
+  const auto probe = torch::zeros({1}, torch::requires_grad());
+  try {
+    const auto built = optimizer({probe}, Recipe().state_bits(4));
+    const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(built.get());
+    return low_bit != nullptr && low_bit->bits() == 4;
+  } catch (const c10::Error&) {  // e.g. memsave::sgd: 4-bit state is AdamW's only
+    return false;
+  }
 }
 
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
@@ -321,7 +336,8 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
     return plan;
   }
 
-  const std::vector<Recipe> recipes = checklist(options.batch(), model.elements(), options.device());
+  const std::vector<Recipe> recipes =
+      checklist(options.batch(), model.elements(), options.device(), builds_four_bit_state(setup.optimizer));
   for (const Recipe& r : recipes) {
     Candidate c;
     c.recipe = r;

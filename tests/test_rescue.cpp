@@ -4,7 +4,10 @@
 #include "zoo/zoo.h"
 
 #include <gtest/gtest.h>
+
 #include <torch/torch.h>
+#include <string>
+#include <vector>
 
 #include <cmath>
 
@@ -41,7 +44,7 @@ TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
 TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
   const TrainingSetup setup = training_setup("mlp");
   const MemoryModel model = MemoryModel::profile(setup, 8, torch::kCPU);
-  // Above the parameters, below parameters + gradients + fp32 state: only 8-bit or offloaded state can fit.
+  // Above the parameters, below parameters + gradients + fp32 state: only low-bit or offloaded state can fit.
   const int64_t budget = model.parameter_bytes() * 3;
   const RescuePlan plan = rescue(setup, RescueOptions(8, budget).steps(2));
   for (const Candidate& c : plan.candidates) {
@@ -49,10 +52,29 @@ TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
       EXPECT_EQ(c.status, Candidate::Status::kCannotFit) << c.recipe.label();
       EXPECT_EQ(c.measured.peak, 0);
     }
-    if (c.status == Candidate::Status::kFits) {  // only 8-bit or offloaded state can fit this budget
-      EXPECT_TRUE(c.recipe.state_bits() == 8 || c.recipe.offload() != Offload::kNone) << c.recipe.label();
+    if (c.status == Candidate::Status::kFits) {  // only low-bit or offloaded state can fit this budget
+      EXPECT_TRUE(c.recipe.state_bits() != 32 || c.recipe.offload() != Offload::kNone) << c.recipe.label();
     }
   }
+}
+
+TEST(Rescue, TheFourBitLevelComesOnlyWithAnOptimizerThatHasIt) {
+  EXPECT_TRUE(builds_four_bit_state(adamw()));
+  EXPECT_FALSE(builds_four_bit_state(sgd(0.1)));  // 4-bit state is AdamW's only
+  const std::vector<Recipe> with = checklist(8, 4, torch::kCPU, true), without = checklist(8, 4, torch::kCPU);
+  auto levels = [](const std::vector<Recipe>& recipes) {
+    std::vector<std::string> out;
+    for (const Recipe& r : recipes)
+      if (r.micro_batch() == 0) out.push_back(r.label());
+    return out;
+  };
+  const std::vector<std::string> a = levels(with), b = levels(without);
+  ASSERT_EQ(a.size(), b.size() + 1);
+  ASSERT_GE(a.size(), 3u);
+  EXPECT_EQ(a[a.size() - 3], b[b.size() - 2]);  // ... + 8-bit state, then 4-bit, then 8-bit offloaded
+  EXPECT_EQ(a[a.size() - 2], "bf16 + ckpt every layer + 4-bit state");
+  EXPECT_EQ(a.back(), b.back());
+  EXPECT_EQ(with.size(), without.size() + 4);  // micro-batches 8 (whole), 4, 2, 1
 }
 
 TEST(Rescue, BadOptionsAreErrors) {
@@ -75,7 +97,7 @@ TEST(Estimate, PredictsEveryCandidateOfTheChecklistFromOneProfile) {
     const TrainingSetup setup = training_setup(name);
     const int64_t batch = 32;
     const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU);
-    for (const Recipe& r : checklist(batch, model.elements(), torch::kCPU)) {
+    for (const Recipe& r : checklist(batch, model.elements(), torch::kCPU, /*four_bit_state=*/true)) {
       if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;
       const int64_t measured = measure(setup, r, batch, torch::kCPU, 2).peak;
       const double error =

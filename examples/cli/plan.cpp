@@ -140,7 +140,8 @@ std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10:
   const TrainingSetup setup = zoo::training_setup(model);
   const MemoryModel memory = MemoryModel::profile(setup, batch, device);
   std::vector<Estimate> rows;
-  for (const Recipe& r : checklist(batch, memory.elements(), device)) {
+  for (const Recipe& r :
+       checklist(batch, memory.elements(), device, builds_four_bit_state(setup.optimizer))) {
     if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;  // micro-batches down to a quarter
     Estimate e;
     e.recipe = r;

@@ -5,7 +5,8 @@
 //   if (plan.recommended) std::cout << plan.candidates[*plan.recommended].recipe.to_cpp();
 //
 // It walks the usual checklist on the real model — smaller micro-batches with accumulation (same effective
-// batch), mixed precision, checkpointing (coarse, then every layer), 8-bit optimizer state, offloaded state —
+// batch), mixed precision, checkpointing (coarse, then every layer), 8-bit optimizer state, 4-bit optimizer
+// state (when the setup's optimizer has it: memsave::adamw), offloaded state —
 // measures each candidate's peak (memsave's meter, under the budget) and step time, and recommends the
 // fastest candidate that fits. A MemoryModel built from one profile of the model predicts every candidate's
 // peak; a candidate whose static bytes (parameters, gradients, state, batch) already exceed the budget is
@@ -139,8 +140,14 @@ struct RescuePlan {
 };
 
 /// The candidates of the checklist, in order: levels fp32, +mixed precision, +checkpointing √n segments,
-/// +checkpointing every layer, +8-bit state, +offloaded state, each with micro-batches batch, batch/2, ... 1.
-std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device);
+/// +checkpointing every layer, +8-bit state, then (with `four_bit_state`) 4-bit state, then 8-bit state
+/// offloaded, each with micro-batches batch, batch/2, ... 1.
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device,
+                              bool four_bit_state = false);
+
+/// Whether `optimizer` builds 4-bit state for Recipe().state_bits(4) (memsave::adamw does, memsave::sgd
+/// does not): rescue() adds the 4-bit level to the checklist only then.
+bool builds_four_bit_state(const OptimizerFactory& optimizer);
 
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options);
 
