@@ -156,17 +156,17 @@ TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
   EXPECT_TRUE(torch::equal(run(1, 1, 1), start)) << "found_inf must leave the parameters unchanged";
 }
 
-TEST(CudaOptim, IndexesTensorsOfMoreThanTwoTo31Elements) {
-  SKIP_WITHOUT_CUDA();
-  // 2^31 + 1000 bf16 elements (about 12 GiB with gradient and state). Blocks are stepped independently, so
-  // the last 5096 elements, from a block boundary below 2^31 to the end, stepped on their own on the CPU are
-  // the reference for that stretch of the big tensor.
-  const int64_t n = (int64_t{1} << 31) + 1000, from = n - 5096, block = 256;
+/// 2^31 + 1000 bf16 elements (about 12 GiB with gradient and state) stepped by `Optimizer` with blocks of
+/// `block`. Blocks are stepped independently, so the last 5096 elements, from a block boundary below 2^31 to
+/// the end, stepped on their own on the CPU are the reference for that stretch of the big tensor.
+template <typename Optimizer, typename Options>
+void expect_64_bit_indexing(int64_t block, int64_t bits) {
+  const int64_t n = (int64_t{1} << 31) + 1000, from = n - 5096;
   const auto opts = torch::TensorOptions().device(kCuda).dtype(torch::kBFloat16);
   auto p = torch::randn({n}, opts).requires_grad_();
   auto tail = p.detach().slice(0, from).cpu().requires_grad_();
-  optim::AdamW8bit big(std::vector<torch::Tensor>{p}, optim::AdamW8bitOptions(1e-3).block_size(block));
-  optim::AdamW8bit small(std::vector<torch::Tensor>{tail}, optim::AdamW8bitOptions(1e-3).block_size(block));
+  Optimizer big(std::vector<torch::Tensor>{p}, Options(1e-3).block_size(block));
+  Optimizer small(std::vector<torch::Tensor>{tail}, Options(1e-3).block_size(block));
   for (int t = 0; t < 2; ++t) {
     p.mutable_grad() = torch::randn({n}, opts);
     tail.mutable_grad() = p.grad().slice(0, from).cpu();
@@ -176,10 +176,17 @@ TEST(CudaOptim, IndexesTensorsOfMoreThanTwoTo31Elements) {
   EXPECT_TRUE(torch::equal(p.detach().slice(0, from).cpu(), tail.detach()));
   const auto& s = static_cast<optim::QuantizedParamState&>(*big.state().at(p.unsafeGetTensorImpl()));
   const auto& r = static_cast<optim::QuantizedParamState&>(*small.state().at(tail.unsafeGetTensorImpl()));
-  EXPECT_TRUE(torch::equal(s.m().slice(0, from).cpu(), r.m()));
-  EXPECT_TRUE(torch::equal(s.v().slice(0, from).cpu(), r.v()));
+  const int64_t from_byte = bits == 4 ? from / 2 : from;  // `from` is even: a byte boundary for 4-bit codes
+  EXPECT_TRUE(torch::equal(s.m().slice(0, from_byte).cpu(), r.m()));
+  EXPECT_TRUE(torch::equal(s.v().slice(0, from_byte).cpu(), r.v()));
   EXPECT_TRUE(torch::equal(s.absmax_m().slice(0, from / block).cpu(), r.absmax_m()));
   EXPECT_TRUE(torch::equal(s.absmax_v().slice(0, from / block).cpu(), r.absmax_v()));
+}
+
+TEST(CudaOptim, IndexesTensorsOfMoreThanTwoTo31Elements) {
+  SKIP_WITHOUT_CUDA();
+  expect_64_bit_indexing<optim::AdamW8bit, optim::AdamW8bitOptions>(256, 8);
+  expect_64_bit_indexing<optim::AdamW4bit, optim::AdamW4bitOptions>(128, 4);
 }
 
 TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
@@ -194,7 +201,7 @@ TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
     cuda->bias.copy_(cpu->bias);
   }
   cuda->to(kCuda);
-  for (int64_t bits : {32, 8}) {
+  for (int64_t bits : {32, 8, 4}) {
     OffloadOptimizer a(cpu->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
     OffloadOptimizer b(cuda->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
     EXPECT_TRUE(b.state_tensors().empty());
