@@ -10,10 +10,11 @@
 // instead of 8. Tensors under `min_8bit_size` elements keep fp32 state, as does any parameter passed to
 // `force_32bit`.
 //
-// The 4-bit optimizers (Li et al., "Memory Efficient Optimizers with 4-bit States", 2023; torchao's
-// AdamW4bit) pack two codes to a byte, in blocks of 128 by default: a 16-value dynamic-exponent book for the
-// first moment and the linear book k/16 (k = 1...16, no zero) for the second, so that a small second moment
-// never dequantizes to 0 and blows up its update. Adam keeps about 1.06 bytes of state per parameter.
+// The 4-bit optimizers (torchao's AdamW4bit, after Li et al., "Memory Efficient Optimizers with 4-bit
+// States", 2023, with blockwise scaling for both moments) pack two codes to a byte, in blocks of 128 by
+// default: a 16-value dynamic-exponent book for the first moment and the linear book k/16 (k = 1...16, no
+// zero) for the second, so that a small second moment never dequantizes to 0 and blows up its update. Adam
+// keeps about 1.06 bytes of state per parameter.
 #pragma once
 
 #include <memsave/memory.h>
