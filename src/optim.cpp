@@ -24,9 +24,10 @@ using torch::serialize::OutputArchive;
 
 const char* kind_name(int32_t kind, int64_t bits) {
   static const char* const kNames8[] = {"Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit"};
-  static const char* const kNames4[] = {"Adam4bit", "AdamW4bit", "Lion4bit", "SGD4bit"};
-  if (kind < 0 || kind >= 4 || (bits != 8 && bits != 4)) return "an unknown optimizer";
-  return bits == 4 ? kNames4[kind] : kNames8[kind];
+  static const char* const kNames4[] = {"Adam4bit", "AdamW4bit"};  // 4-bit state: the Adam rules only
+  if (bits == 8 && kind >= 0 && kind < 4) return kNames8[kind];
+  if (bits == 4 && kind >= 0 && kind < 2) return kNames4[kind];
+  return "an unknown optimizer";
 }
 
 k::DType storage_type(const torch::Tensor& t) {

@@ -203,6 +203,17 @@ TEST(EightBit, StateReadsBackCloseToTheFp32Moments) {
   EXPECT_EQ(m8[0].sizes(), p8.sizes());
 }
 
+/// The message of the c10::Error `call` throws, or "(accepted)".
+template <typename Call>
+std::string message(Call&& call) {
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(accepted)";
+}
+
 std::string saved(const torch::optim::Optimizer& opt) {
   torch::serialize::OutputArchive archive;
   opt.save(archive);
@@ -386,14 +397,6 @@ TEST(FourBit, SaveAndLoadRoundTripExactlyAndRefuseEightBitFiles) {
   q.mutable_grad() = torch::randn_like(q);
   eight.step();
   const std::string eight_file = saved(eight), four_before = saved(b);
-  auto message = [](auto&& call) -> std::string {
-    try {
-      call();
-    } catch (const c10::Error& e) {
-      return e.what_without_backtrace();
-    }
-    return "(accepted)";
-  };
   EXPECT_NE(message([&] { load(b, eight_file); }).find("state of AdamW8bit"), std::string::npos);
   EXPECT_EQ(saved(b), four_before);
   EXPECT_NE(message([&] { load(eight, file); }).find("state of AdamW4bit"), std::string::npos);
@@ -405,14 +408,6 @@ TEST(FourBit, SaveAndLoadRoundTripExactlyAndRefuseEightBitFiles) {
 TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
   auto p = torch::randn({10}).requires_grad_();
   using V = std::vector<torch::Tensor>;
-  auto message = [](auto&& make) -> std::string {
-    try {
-      make();
-    } catch (const c10::Error& e) {
-      return e.what_without_backtrace();
-    }
-    return "(accepted)";
-  };
   EXPECT_NE(message([&] { AdamW8bit(V{p}, AdamW8bitOptions(-1)); }).find("learning rate: -1"),
             std::string::npos);
   EXPECT_NE(message([&] {
