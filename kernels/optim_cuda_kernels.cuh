@@ -71,17 +71,19 @@ __device__ __forceinline__ void group_max(std::uint32_t& a, std::uint32_t& b, st
 }
 
 /// The quantized step (8-bit or 4-bit codes). A group of kLanes threads steps one quantization block (a
-/// unit) at a time, each lane kPerLane elements kLanes apart, so every load and store of a warp is
-/// contiguous. All loads of a unit are issued before any store (parameters, gradients and codes may alias as
-/// far as the compiler knows), which keeps kPerLane loads per array in flight per thread. 4-bit codes: lanes
-/// 2j and 2j + 1 hold neighbouring elements (kLanes is even and a block starts at an even element), so each
-/// even lane reads one byte for the pair and writes it back with its neighbour's code from a shuffle.
+/// unit) at a time. Each lane holds kPerLane / kPair code bytes of the block, kLanes bytes apart, and the
+/// kPair elements of each (one for 8-bit codes, two neighbours for 4-bit ones), so every load and store of a
+/// warp covers contiguous memory and no lane needs another's code. All loads of a unit are issued before any
+/// store (parameters, gradients and codes may alias as far as the compiler knows), which keeps the loads in
+/// flight.
 template <typename T, Rule R, int Bits, int kLanes, int kPerLane>
 __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized_kernel(const LaunchArgs a) {
   if (a.found_inf != nullptr && *a.found_inf != 0.0f) return;
   constexpr bool kSecond = has_second_moment(R);
   constexpr int kGroups = kThreads / kLanes;  // groups per thread block
-  static_assert(kLanes % 2 == 0, "4-bit codes pair neighbouring lanes");
+  constexpr int kPair = 8 / Bits;             // elements per code byte
+  constexpr int kBytes = kPerLane / kPair;    // code bytes per lane
+  static_assert(Bits == 8 || Bits == 4, "8-bit or 4-bit codes");
   __shared__ std::uint32_t shared[2 * kThreads / 32];
   const float scale = a.inv_scale != nullptr ? *a.inv_scale : 1.0f;
   const CodeBook& sb = *a.signed_book;
@@ -89,13 +91,13 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized
   const int lane = static_cast<int>(threadIdx.x) % kLanes;
   const std::int64_t units = a.first_unit[a.count];
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * kGroups;
-  // the loop is uniform over each group: its shuffles and barriers see every thread of the group
+  // the loop is uniform over each group: its barriers see every thread of the group
   for (std::int64_t unit = static_cast<std::int64_t>(blockIdx.x) * kGroups + threadIdx.x / kLanes;
        unit < units; unit += stride) {
     const int t = tensor_of(a, unit);
     const CudaTensorStep& s = a.tensor[t];
     const std::int64_t block = unit - a.first_unit[t];
-    const std::int64_t offset = block * a.unit_size;
+    const std::int64_t offset = block * a.unit_size;  // even: a 4-bit block starts at a byte
     const std::int64_t n = min(a.unit_size, s.numel - offset);
     T* param = static_cast<T*>(s.param) + offset;
     const T* grad = static_cast<const T*>(s.grad) + offset;
@@ -105,32 +107,43 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized
     const float absmax_v = kSecond ? s.absmax_v[block] : 0.0f;
 
     T p[kPerLane], g[kPerLane];
-    std::uint8_t mc[kPerLane], vc[kPerLane];
+    std::uint8_t mc[kBytes], vc[kBytes];
     MEMSAVE_UNROLL
-    for (int k = 0; k < kPerLane; ++k) {
-      const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      if (i < n) {
-        p[k] = param[i];
-        g[k] = grad[i];
-        mc[k] = code_at(mq, Bits, i);
-        vc[k] = kSecond ? code_at(vq, Bits, i) : std::uint8_t{0};
+    for (int k = 0; k < kBytes; ++k) {
+      const std::int64_t byte = lane + static_cast<std::int64_t>(k) * kLanes;
+      const std::int64_t first = byte * kPair;  // the byte's first element
+      if (first < n) {
+        mc[k] = mq[byte];
+        vc[k] = kSecond ? vq[byte] : std::uint8_t{0};
+        MEMSAVE_UNROLL
+        for (int h = 0; h < kPair; ++h) {
+          if (first + h < n) {
+            p[k * kPair + h] = param[first + h];
+            g[k * kPair + h] = grad[first + h];
+          }
+        }
       }
     }
     float m[kPerLane], v[kPerLane];
     std::uint32_t max_m = 0, max_v = 0;
     MEMSAVE_UNROLL
-    for (int k = 0; k < kPerLane; ++k) {
-      const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      m[k] = 0.0f;
-      v[k] = 0.0f;
-      if (i < n) {
-        float x = to_float(p[k]);
-        m[k] = sb.code[mc[k]] * absmax_m;
-        if (kSecond) v[k] = ub.code[vc[k]] * absmax_v;
-        update<R>(x, to_float(g[k]) * scale, m[k], v[k], s.scalars);
-        param[i] = from_float<T>(x);
-        max_m = max(max_m, to_bits(m[k]) & 0x7fffffffu);
-        max_v = max(max_v, to_bits(v[k]) & 0x7fffffffu);
+    for (int k = 0; k < kBytes; ++k) {
+      const std::int64_t first = (lane + static_cast<std::int64_t>(k) * kLanes) * kPair;
+      MEMSAVE_UNROLL
+      for (int h = 0; h < kPair; ++h) {
+        const int e = k * kPair + h;
+        m[e] = 0.0f;
+        v[e] = 0.0f;
+        if (first + h < n) {
+          const int shift = Bits * (kPair - 1 - h);  // 4-bit: the first element in the high nibble
+          float x = to_float(p[e]);
+          m[e] = sb.code[(mc[k] >> shift) & ((1 << Bits) - 1)] * absmax_m;
+          if (kSecond) v[e] = ub.code[(vc[k] >> shift) & ((1 << Bits) - 1)] * absmax_v;
+          update<R>(x, to_float(g[e]) * scale, m[e], v[e], s.scalars);
+          param[first + h] = from_float<T>(x);
+          max_m = max(max_m, to_bits(m[e]) & 0x7fffffffu);
+          max_v = max(max_v, to_bits(v[e]) & 0x7fffffffu);
+        }
       }
     }
     group_max<kLanes>(max_m, max_v, shared);
@@ -143,21 +156,21 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized
     const float scale_m = block_scale(new_max_m);
     const float scale_v = block_scale(new_max_v);
     MEMSAVE_UNROLL
-    for (int k = 0; k < kPerLane; ++k) {
-      const std::int64_t i = lane + static_cast<std::int64_t>(k) * kLanes;
-      if constexpr (Bits == 4) {
-        // every lane shuffles (beyond n with code 0, the low nibble of an odd block's last byte)
-        std::uint32_t cm = i < n ? quantize(sb, m[k] * scale_m) : 0u;
-        std::uint32_t cv = kSecond && i < n ? quantize(ub, v[k] * scale_v) : 0u;
-        const std::uint32_t next_m = __shfl_xor_sync(0xffffffffu, cm, 1);
-        const std::uint32_t next_v = __shfl_xor_sync(0xffffffffu, cv, 1);
-        if (i < n && i % 2 == 0) {
-          mq[i / 2] = static_cast<std::uint8_t>((cm << 4) | next_m);
-          if (kSecond) vq[i / 2] = static_cast<std::uint8_t>((cv << 4) | next_v);
+    for (int k = 0; k < kBytes; ++k) {
+      const std::int64_t byte = lane + static_cast<std::int64_t>(k) * kLanes;
+      const std::int64_t first = byte * kPair;
+      if (first < n) {
+        std::uint32_t cm = 0, cv = 0;  // an odd block's last byte keeps 0 in its low nibble
+        MEMSAVE_UNROLL
+        for (int h = 0; h < kPair; ++h) {
+          if (first + h < n) {
+            const int shift = Bits * (kPair - 1 - h);
+            cm |= static_cast<std::uint32_t>(quantize(sb, m[k * kPair + h] * scale_m)) << shift;
+            if (kSecond) cv |= static_cast<std::uint32_t>(quantize(ub, v[k * kPair + h] * scale_v)) << shift;
+          }
         }
-      } else if (i < n) {
-        mq[i] = quantize(sb, m[k] * scale_m);
-        if (kSecond) vq[i] = quantize(ub, v[k] * scale_v);
+        mq[byte] = static_cast<std::uint8_t>(cm);
+        if (kSecond) vq[byte] = static_cast<std::uint8_t>(cv);
       }
     }
   }
