@@ -80,6 +80,19 @@ TEST(Cli, ReportCountsTheStateOf8BitAdamW) {
   EXPECT_TRUE(j["rules"][1]["holds"].get<bool>()) << j["rules"][1].dump();
 }
 
+TEST(Cli, ReportCountsTheStateOf4BitAdamW) {
+  const Result r = invoke_stdout("report --model mlp --batch 4 --optimizer adamw4bit --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  // the weights' two moments: a byte for two elements each, 4 + 4 bytes of absmax per 128; the biases (under
+  // 4096 elements) keep 8 bytes of fp32 state per element
+  const int64_t weights = 784 * 2048 + 2048 * 2048 + 2048 * 10, biases = 2048 + 2048 + 10;
+  const int64_t blocks = (784 * 2048) / 128 + (2048 * 2048) / 128 + (2048 * 10) / 128;
+  EXPECT_EQ(weights + biases, j["parameters"].get<int64_t>());
+  EXPECT_EQ(j["breakdown"]["optimizer_state"].get<int64_t>(), weights + 8 * blocks + 8 * biases);
+  EXPECT_TRUE(j["rules"][1]["holds"].get<bool>()) << j["rules"][1].dump();
+}
+
 TEST(Cli, UnknownModelListsTheValidOnesWithExitCode2) {
   const Result r = invoke("report --model resnet19");
   EXPECT_EQ(r.code, 2) << r.output;
@@ -181,12 +194,12 @@ TEST(Cli, PlanningCommandsRejectBadInput) {
 
 TEST(Cli, BenchJsonHasOneEntryPerRecipeWithTheDocumentedFields) {
   const Result r =
-      invoke_stdout("bench --model mlp --batch 16 --recipes baseline,micro4,bf16,8bit --steps 2 --json");
+      invoke_stdout("bench --model mlp --batch 16 --recipes baseline,micro4,bf16,8bit,4bit --steps 2 --json");
   ASSERT_EQ(r.code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output);
-  ASSERT_EQ(j["recipes"].size(), 4u);
-  const char* names[] = {"baseline", "micro4", "bf16", "8bit"};
-  for (size_t i = 0; i < 4; ++i) {
+  ASSERT_EQ(j["recipes"].size(), 5u);
+  const char* names[] = {"baseline", "micro4", "bf16", "8bit", "4bit"};
+  for (size_t i = 0; i < 5; ++i) {
     const auto& e = j["recipes"][i];
     EXPECT_EQ(e["name"], names[i]);
     for (const char* field : {"recipe", "cpp", "peak", "seconds", "peak_ratio", "time_ratio"})
@@ -195,6 +208,7 @@ TEST(Cli, BenchJsonHasOneEntryPerRecipeWithTheDocumentedFields) {
   }
   EXPECT_EQ(j["recipes"][0]["peak_ratio"].get<double>(), 1.0);
   EXPECT_LT(j["recipes"][3]["peak"].get<int64_t>(), j["recipes"][0]["peak"].get<int64_t>());  // 8-bit state
+  EXPECT_LT(j["recipes"][4]["peak"].get<int64_t>(), j["recipes"][3]["peak"].get<int64_t>());  // 4-bit state
   EXPECT_FALSE(j["rules"].empty());
 }
 

@@ -177,10 +177,12 @@ std::vector<std::pair<std::string, Recipe>> bench_recipes(int64_t batch) {
       {"ckpt-sqrt", Recipe().checkpoint(Checkpointing::segments(0))},  // 0: √n, resolved per model
       {"ckpt-every", Recipe().checkpoint(Checkpointing::every_layer())},
       {"8bit", Recipe().state_bits(8)},
+      {"4bit", Recipe().state_bits(4)},
       {"offload", Recipe().offload(Offload::kOptimizerState)},
       {"micro4+bf16", Recipe(bf16).micro_batch(quarter)},
       {"bf16+ckpt", Recipe(bf16).checkpoint(Checkpointing::every_layer())},
       {"bf16+ckpt+8bit", Recipe(bf16).checkpoint(Checkpointing::every_layer()).state_bits(8)},
+      {"bf16+ckpt+4bit", Recipe(bf16).checkpoint(Checkpointing::every_layer()).state_bits(4)},
       {"all", Recipe(bf16).micro_batch(quarter).checkpoint(Checkpointing::every_layer()).state_bits(8)},
   };
 }

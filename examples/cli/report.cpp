@@ -25,6 +25,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
   if (name == "adam") return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(1e-3));
   if (name == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
   if (name == "adamw8bit") return std::make_unique<optim::AdamW8bit>(params, optim::AdamW8bitOptions(1e-3));
+  if (name == "adamw4bit") return std::make_unique<optim::AdamW4bit>(params, optim::AdamW4bitOptions(1e-3));
   TORCH_CHECK(false, "unknown optimizer '", name, "' (valid: ", join(optimizer_names()), ")");
 }
 
@@ -49,7 +50,7 @@ std::string signed_bytes(int64_t bytes) {
 
 }  // namespace
 
-std::vector<std::string> optimizer_names() { return {"sgd", "adam", "adamw", "adamw8bit"}; }
+std::vector<std::string> optimizer_names() { return {"sgd", "adam", "adamw", "adamw8bit", "adamw4bit"}; }
 
 void run_report(const ReportOptions& options, Report& report) {
   report.options = options;
@@ -109,6 +110,9 @@ void run_report(const ReportOptions& options, Report& report) {
   // 2 bytes of codes and 8 of absmax per 256 elements against 4 bytes of fp32 (more where tensors stay fp32)
   if (options.optimizer == "adamw8bit")
     state_rule = {"8-bit Adam state = 0.51x parameter bytes", 0.5, 0.55, state};
+  // 1 byte of codes for two elements and 8 of absmax per 128 elements
+  if (options.optimizer == "adamw4bit")
+    state_rule = {"4-bit Adam state = 0.27x parameter bytes", 0.25, 0.3, state};
   report.rules = {
       {"gradients = parameter bytes", 1.0, 1.0, ratio(parts.gradients, parts.parameters)},
       state_rule,
