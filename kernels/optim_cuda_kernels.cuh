@@ -128,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized
     std::uint32_t max_m = 0, max_v = 0;
     MEMSAVE_UNROLL
     for (int k = 0; k < kBytes; ++k) {
-      const std::int64_t first = (lane + static_cast<std::int64_t>(k) * kLanes) * kPair;
+      const std::int64_t first = (lane + static_cast<std::int64_t>(k) * kLanes) * kPair;  // as above
       MEMSAVE_UNROLL
       for (int h = 0; h < kPair; ++h) {
         const int e = k * kPair + h;

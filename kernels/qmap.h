@@ -97,13 +97,6 @@ const CodeBook& unsigned_code_book(int bits = 8);
 /// 2i + 1 in the low one (torchao's layout); an odd last element leaves the low nibble 0.
 MEMSAVE_HD std::int64_t code_bytes(std::int64_t n, int bits) { return bits == 4 ? (n + 1) / 2 : n; }
 
-/// The code of element i of codes packed as `code_bytes` says.
-MEMSAVE_HD std::uint8_t code_at(const std::uint8_t* codes, int bits, std::int64_t i) {
-  if (bits != 4) return codes[i];
-  const std::uint8_t byte = codes[i >> 1];
-  return static_cast<std::uint8_t>((i & 1) != 0 ? byte & 0xfu : byte >> 4);
-}
-
 /// Elements per quantization block (one absmax each): a power of two in [kMinBlock, kMaxBlock].
 inline constexpr std::int64_t kMinBlock = 64;
 inline constexpr std::int64_t kMaxBlock = 4096;

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -44,6 +45,14 @@ std::string rcell(const std::string& s, int width) {
   return buf;
 }
 
+/// The width of a column of labels: at least `minimum`, and two spaces wider than the longest.
+template <typename Rows, typename Label>
+int label_width(const Rows& rows, Label label, int minimum) {
+  size_t width = static_cast<size_t>(minimum);
+  for (const auto& row : rows) width = std::max(width, label(row).size() + 2);
+  return static_cast<int>(width);
+}
+
 std::string fixed(double v, int digits) {
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%.*f", digits, v);
@@ -71,7 +80,9 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
         << ", more than the budget of " << format_bytes(options.budget()) << "\n";
     return out.str();
   }
-  out << cell("candidate", 58) << rcell("predicted", 12) << rcell("peak", 12) << "  " << cell("fits?", 27)
+  const int label = label_width(
+      plan.candidates, [](const Candidate& c) { return c.recipe.label(); }, 58);
+  out << cell("candidate", label) << rcell("predicted", 12) << rcell("peak", 12) << "  " << cell("fits?", 27)
       << rcell("step", 10) << rcell("throughput", 12) << "\n";
   size_t not_needed = 0;
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
@@ -81,7 +92,7 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
       continue;
     }
     const bool measured = ran(c);
-    out << cell(c.recipe.label(), 58) << rcell(format_bytes(c.predicted), 12)
+    out << cell(c.recipe.label(), label) << rcell(format_bytes(c.predicted), 12)
         << rcell(measured ? (c.status == Candidate::Status::kOutOfMemory ? "> budget"
                                                                          : format_bytes(c.measured.peak))
                           : "-",
@@ -153,13 +164,16 @@ std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10:
 }
 
 std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch) {
+  const int label = label_width(
+      rows, [](const Estimate& e) { return e.recipe.label(); }, 46);
   std::ostringstream out;
   out << "memsave estimate: model " << model << ", batch " << batch
       << " (predicted from one profile of the model; measured by running each recipe)\n\n"
-      << cell("recipe", 46) << rcell("predicted", 12) << rcell("measured", 12) << rcell("error", 9) << "\n";
+      << cell("recipe", label) << rcell("predicted", 12) << rcell("measured", 12) << rcell("error", 9)
+      << "\n";
   double worst = 0;
   for (const Estimate& e : rows) {
-    out << cell(e.recipe.label(), 46) << rcell(format_bytes(e.predicted), 12)
+    out << cell(e.recipe.label(), label) << rcell(format_bytes(e.predicted), 12)
         << rcell(format_bytes(e.measured), 12) << rcell(fixed(100 * e.error(), 1) + "%", 9) << "\n";
     worst = std::max(worst, std::abs(e.error()));
   }
@@ -285,13 +299,15 @@ std::vector<RuleRow> rules(const std::vector<BenchRow>& rows, const std::string&
 }  // namespace
 
 std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
+  const int label = label_width(
+      rows, [](const BenchRow& r) { return r.recipe.label(); }, 44);
   std::ostringstream out;
   out << "memsave bench: model " << model << ", batch " << batch << "\n\n"
-      << cell("recipe", 16) << cell("what", 44) << rcell("peak", 12) << rcell("vs baseline", 13)
+      << cell("recipe", 16) << cell("what", label) << rcell("peak", 12) << rcell("vs baseline", 13)
       << rcell("step", 10) << rcell("vs baseline", 13) << "\n";
   const BenchRow* base = find(rows, "baseline");
   for (const BenchRow& r : rows) {
-    out << cell(r.name, 16) << cell(r.recipe.label(), 44) << rcell(format_bytes(r.measured.peak), 12)
+    out << cell(r.name, 16) << cell(r.recipe.label(), label) << rcell(format_bytes(r.measured.peak), 12)
         << rcell(base ? fixed(static_cast<double>(r.measured.peak) / base->measured.peak, 2) + "x" : "-", 13)
         << rcell(fixed(r.measured.seconds, 3) + " s", 10)
         << rcell(base ? fixed(r.measured.seconds / base->measured.seconds, 2) + "x" : "-", 13) << "\n";
