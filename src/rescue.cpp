@@ -216,12 +216,18 @@ int64_t MemoryModel::optimizer_state(const Recipe& recipe) const {
   if (recipe.offload() == Offload::kOptimizerState) return 0;
   // The setup's optimizer keeps `moments` fp32 tensors per parameter (measured: Adam 2, SGD with momentum 1).
   const int64_t moments = moments_;
+  // Quantized state: `bits` per element and a float per block of the optimizers' default size.
+  const auto quantized = [&](int64_t n, int64_t bits, int64_t block) {
+    return moments * ((n * bits + 7) / 8 + 4 * ((n + block - 1) / block));
+  };
+  const optim::AdamW8bitOptions eight;
+  const optim::AdamW4bitOptions four;
   int64_t bytes = 0;
   for (int64_t n : param_numel_) {
-    if (recipe.state_bits() == 8 && n >= optim::AdamW8bitOptions().min_8bit_size())
-      bytes += moments * (n + 4 * ((n + 255) / 256));  // one byte per element and a float per block of 256
-    else if (recipe.state_bits() == 4 && n >= optim::AdamW4bitOptions().min_4bit_size())
-      bytes += moments * ((n + 1) / 2 + 4 * ((n + 127) / 128));  // half a byte each, a float per 128
+    if (recipe.state_bits() == 8 && n >= eight.min_8bit_size())
+      bytes += quantized(n, 8, eight.block_size());
+    else if (recipe.state_bits() == 4 && n >= four.min_4bit_size())
+      bytes += quantized(n, 4, four.block_size());
     else
       bytes += moments * 4 * n;
   }

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
+#include <sstream>
 #include <string>
 
 namespace {
@@ -210,6 +211,25 @@ TEST(Cli, BenchJsonHasOneEntryPerRecipeWithTheDocumentedFields) {
   EXPECT_LT(j["recipes"][3]["peak"].get<int64_t>(), j["recipes"][0]["peak"].get<int64_t>());  // 8-bit state
   EXPECT_LT(j["recipes"][4]["peak"].get<int64_t>(), j["recipes"][3]["peak"].get<int64_t>());  // 4-bit state
   EXPECT_FALSE(j["rules"].empty());
+}
+
+TEST(Cli, BenchTableKeepsItsColumnsForLabelsLongerThanTheDefaultWidth) {
+  // "all" is labelled "micro 2 + bf16 + ckpt every layer + 8-bit state", wider than the default column
+  const Result r = invoke_stdout("bench --model mlp --batch 8 --recipes baseline,all --steps 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::istringstream lines(r.output);
+  std::string line;
+  size_t end = std::string::npos;  // where the right-aligned peak column ends
+  int rows = 0;
+  while (std::getline(lines, line)) {
+    if (line.rfind("recipe", 0) == 0) end = line.find("peak") + 4;
+    if (end == std::string::npos || (line.rfind("baseline", 0) != 0 && line.rfind("all ", 0) != 0)) continue;
+    ++rows;
+    ASSERT_GT(line.size(), end) << line;
+    EXPECT_EQ(line[end - 1], 'B') << "the peak column moved:\n" << r.output;
+    EXPECT_EQ(line[end], ' ') << r.output;
+  }
+  EXPECT_EQ(rows, 2) << r.output;
 }
 
 TEST(Cli, BenchPlotsValidPngAndSvg) {
