@@ -46,6 +46,7 @@ void step_cuda(const std::vector<TensorStep>& steps) {
   // device, block size (0: fp32), bits, dtype, rule
   using Key = std::tuple<c10::DeviceIndex, int64_t, int64_t, int32_t, int32_t>;
   std::map<Key, std::vector<k::CudaTensorStep>> groups;
+  std::map<c10::DeviceIndex, const float*> inv_scales;  // each device's copy of the scaler's 1/scale
   for (const TensorStep& t : steps) {
     const QuantizedParamState& s = *t.state;
     k::CudaTensorStep c;
@@ -57,13 +58,11 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     c.absmax_v = s.absmax_v().defined() ? s.absmax_v().data_ptr<float>() : nullptr;
     c.numel = t.param.numel();
     c.scalars = t.scalars;
+    if (t.inv_scale.defined()) inv_scales[t.param.device().index()] = t.inv_scale.data_ptr<float>();
     groups[Key{t.param.device().index(), s.block_size(), s.quantized() ? s.bits() : 0,
                static_cast<int32_t>(storage_type(t.param)), static_cast<int32_t>(t.rule)}]
         .push_back(c);
   }
-  const float* inv_scale = steps.empty() || !steps.front().inv_scale.defined()
-                               ? nullptr
-                               : steps.front().inv_scale.data_ptr<float>();
   for (const auto& [key, tensors] : groups) {
     const auto [device, block_size, bits, dtype, rule] = key;
     const c10::cuda::CUDAGuard guard(device);
@@ -77,7 +76,8 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     step.dtype = static_cast<k::DType>(dtype);
     step.signed_book = device_book(true, step.bits, device);
     step.unsigned_book = device_book(false, step.bits, device);
-    step.inv_scale = inv_scale;
+    const auto scale = inv_scales.find(device);
+    step.inv_scale = scale == inv_scales.end() ? nullptr : scale->second;
     const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());
     C10_CUDA_CHECK(static_cast<cudaError_t>(error));
   }

@@ -16,6 +16,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <utility>
+
 namespace memsave {
 namespace {
 
@@ -117,9 +119,11 @@ TEST(CudaOptim, StepsOnTheCurrentStream) {
 TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
   SKIP_WITHOUT_CUDA();
   const auto opts = torch::TensorOptions().device(kCuda);
+  // the parameters before and after a step; the same start in every call (seeded on the device's generator)
   auto run = [&](float grad_factor, float inv_scale, float found_inf) {
     torch::manual_seed(0);
     auto p = torch::randn({4096}, opts);
+    const auto before = p.cpu();
     auto g = torch::randn({4096}, opts) * grad_factor;
     auto m = torch::full({4096}, 127, opts.dtype(torch::kUInt8)),
          v = torch::zeros({4096}, opts.dtype(torch::kUInt8));
@@ -148,12 +152,14 @@ TEST(CudaOptim, KernelHonoursInvScaleAndFoundInf) {
     step.inv_scale = scale.data_ptr<float>();
     step.found_inf = inf.data_ptr<float>();
     EXPECT_EQ(kernels::launch_step_cuda(step, at::cuda::getCurrentCUDAStream().stream()), 0);
-    return p.cpu();
+    return std::make_pair(before, p.cpu());
   };
-  torch::manual_seed(0);
-  const auto start = torch::randn({4096});
-  EXPECT_TRUE(torch::equal(run(1, 1, 0), run(1024, 1.0f / 1024, 0)));  // unscaling by a power of two is exact
-  EXPECT_TRUE(torch::equal(run(1, 1, 1), start)) << "found_inf must leave the parameters unchanged";
+  const auto [start, plain] = run(1, 1, 0);
+  EXPECT_FALSE(torch::equal(plain, start)) << "the step must change the parameters";
+  EXPECT_TRUE(torch::equal(plain, run(1024, 1.0f / 1024, 0).second));  // unscaling by a power of two is exact
+  const auto [start_inf, after_inf] = run(1, 1, 1);
+  EXPECT_TRUE(torch::equal(start_inf, start));
+  EXPECT_TRUE(torch::equal(after_inf, start)) << "found_inf must leave the parameters unchanged";
 }
 
 /// 2^31 + 1000 bf16 elements (about 12 GiB with gradient and state) stepped by `Optimizer` with blocks of
