@@ -1,14 +1,16 @@
 // The meter's CUDA side: the caching allocator's statistics and memory fraction, and pinned host memory.
 #include "memory_internal.h"
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/PinnedMemoryAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
-#include <unordered_map>
 
 namespace memsave::detail {
 namespace {
@@ -17,14 +19,20 @@ namespace {
 constexpr size_t kAggregate = 0;
 
 // Pinned blocks come from LibTorch's caching host allocator, whose DataPtr context is not the data pointer;
-// the DataPtrs live here, keyed by their data, until the block is released.
+// the DataPtrs live here, keyed by their data (ordered, to find the block holding a pointer), until the block
+// is released.
+struct PinnedBlock {
+  c10::DataPtr block;
+  std::size_t bytes = 0;
+};
+
 std::mutex& pinned_mutex() {
   static std::mutex mutex;
   return mutex;
 }
 
-std::unordered_map<void*, c10::DataPtr>& pinned_blocks() {
-  static auto* blocks = new std::unordered_map<void*, c10::DataPtr>();
+std::map<const char*, PinnedBlock>& pinned_blocks() {
+  static auto* blocks = new std::map<const char*, PinnedBlock>();
   return *blocks;
 }
 
@@ -38,17 +46,17 @@ void* pinned_allocate(std::size_t bytes) {
   void* data = block.get();
   if (data == nullptr) return nullptr;
   std::lock_guard<std::mutex> lock(pinned_mutex());
-  pinned_blocks().emplace(data, std::move(block));
+  pinned_blocks().emplace(static_cast<const char*>(data), PinnedBlock{std::move(block), bytes});
   return data;
 }
 
 void pinned_release(void* ptr) {
-  c10::DataPtr block;
+  c10::DataPtr block;  // freed after the lock is let go
   {
     std::lock_guard<std::mutex> lock(pinned_mutex());
-    auto it = pinned_blocks().find(ptr);
+    auto it = pinned_blocks().find(static_cast<const char*>(ptr));
     if (it == pinned_blocks().end()) return;
-    block = std::move(it->second);
+    block = std::move(it->second.block);
     pinned_blocks().erase(it);
   }
 }
@@ -74,6 +82,20 @@ void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes) {
 std::optional<kernels::RawMemory> cuda_pinned_memory() {
   if (c10::cuda::device_count() == 0) return std::nullopt;
   return kernels::RawMemory{&pinned_allocate, &pinned_release};
+}
+
+c10::Stream cuda_current_stream(c10::DeviceIndex index) { return c10::cuda::getCurrentCUDAStream(index); }
+
+void cuda_record_host_use(const at::Tensor& host, const c10::Stream& stream) {
+  const auto* data = static_cast<const char*>(host.storage().data_ptr().get());
+  if (data == nullptr) return;
+  std::lock_guard<std::mutex> lock(pinned_mutex());
+  auto it = pinned_blocks().upper_bound(data);  // the first block starting after `data`
+  if (it == pinned_blocks().begin()) return;
+  --it;
+  if (data >= it->first + it->second.bytes) return;  // not in the pinned arena
+  at::getHostAllocator(at::kCUDA)->record_event(const_cast<char*>(it->first), it->second.block.get_context(),
+                                                stream);
 }
 
 }  // namespace memsave::detail

@@ -3,7 +3,9 @@
 
 #include "../kernels/byte_pool.h"
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
+#include <c10/core/Stream.h>
 
 #include <cstdint>
 #include <optional>
@@ -22,5 +24,13 @@ void cuda_reset_peak(c10::DeviceIndex index);
 void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes);
 /// Pinned host memory from the CUDA runtime, or nothing when no CUDA device is usable.
 std::optional<kernels::RawMemory> cuda_pinned_memory();
+/// The current stream of CUDA device `index`.
+c10::Stream cuda_current_stream(c10::DeviceIndex index);
+/// After a non_blocking copy between `host` (a tensor of the host arena) and a CUDA device was queued on
+/// `stream`: keeps LibTorch's caching host allocator from handing the pinned block under `host` to another
+/// allocation before the copy is done, should `host` be freed first. (LibTorch's copy_ does this for its own
+/// pinned tensors but cannot find the block under an arena tensor, whose data starts after memsave's block
+/// header.) Does nothing for memory outside the pinned arena.
+void cuda_record_host_use(const at::Tensor& host, const c10::Stream& stream);
 
 }  // namespace memsave::detail

@@ -3,6 +3,7 @@
 #include "archive.h"
 #include "compat.h"
 #ifdef MEMSAVE_WITH_CUDA
+#include "memory_internal.h"
 #include "offload_internal.h"
 #endif
 
@@ -488,10 +489,13 @@ void OffloadOptimizer::step_one(size_t i, bool beside) {
 
 void OffloadOptimizer::copy_back(const Offloaded& o, bool beside) {
 #ifdef MEMSAVE_WITH_CUDA
-  if (beside && o.param.is_cuda()) {  // on a stream of its own, which the next step waits for
-    if (!copies_->up_stream) copies_->up_stream = detail::side_stream(o.param.device());
-    const c10::StreamGuard guard(*copies_->up_stream);
+  if (o.param.is_cuda()) {  // beside the backward: on a stream of its own, which the next step waits for
+    if (beside && !copies_->up_stream) copies_->up_stream = detail::side_stream(o.param.device());
+    const c10::Stream stream =
+        beside ? *copies_->up_stream : detail::cuda_current_stream(o.param.device().index());
+    const c10::StreamGuard guard(stream);
     o.param.copy_(o.master, /*non_blocking=*/true);
+    detail::cuda_record_host_use(o.master, stream);
     return;
   }
 #endif

@@ -1,6 +1,8 @@
 // The offload's CUDA side: gradient copies to pinned host memory on a side stream.
 #include "offload_internal.h"
 
+#include "memory_internal.h"
+
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -23,6 +25,7 @@ void copy_on_side_stream(const c10::Stream& stream, at::Tensor& host, const at::
     torch::NoGradGuard no_grad;
     host.copy_(source, /*non_blocking=*/true);
   }
+  cuda_record_host_use(host, side);
   c10::cuda::CUDACachingAllocator::recordStream(source.storage().data_ptr(), side);
 }
 

@@ -8,6 +8,7 @@
 #include <memsave/trainer.h>
 
 #include "../kernels/optim_cuda.h"
+#include "../src/memory_internal.h"
 
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Sleep.h>
@@ -61,6 +62,28 @@ TEST(CudaMeter, TheHostArenaIsPinned) {
   EXPECT_TRUE(h.is_pinned());
   const auto d = h.fill_(3).to(kCuda, /*non_blocking=*/true);
   EXPECT_EQ(d.sum().item<float>(), 3072.0f);
+}
+
+TEST(CudaMeter, AnArenaBlockIsNotHandedOutAgainWhileACopyStillReadsIt) {
+  SKIP_WITHOUT_CUDA();
+  // A copy to the device queued behind a long sleep reads an arena tensor that is then freed. The next arena
+  // tensor of that size must not get the block (and be written) before the copy has run: LibTorch's copy_
+  // cannot find the caching host allocator's block under an arena tensor, memsave tells it.
+  const int64_t n = int64_t{1} << 20;
+  auto on_device = torch::empty({n}, torch::TensorOptions().device(kCuda));
+  torch::cuda::synchronize();
+  const void* first = nullptr;
+  {
+    const auto host = host_empty({n}, torch::kFloat).fill_(1);
+    first = host.data_ptr();
+    const c10::cuda::CUDAStream stream = at::cuda::getCurrentCUDAStream();
+    at::cuda::sleep(int64_t{1} << 30);  // about half a second
+    on_device.copy_(host, /*non_blocking=*/true);
+    detail::cuda_record_host_use(host, stream);
+  }
+  const auto again = host_empty({n}, torch::kFloat).fill_(2);
+  EXPECT_NE(again.data_ptr(), first);
+  EXPECT_EQ(on_device.sum().item<float>(), static_cast<float>(n)) << "the copy read the new tensor's 2s";
 }
 
 TEST(CudaOptim, OneLaunchPerGroupOfTensors) {
