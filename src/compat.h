@@ -1,6 +1,7 @@
 // Every API difference between the LibTorch 2.x versions memsave builds against, in one place.
 #pragma once
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/variable.h>
@@ -64,6 +65,16 @@ inline void set_autocast_dtype(c10::DeviceType device, c10::ScalarType dtype) {
 #else
   device == c10::kCPU ? at::autocast::set_autocast_cpu_dtype(dtype)
                       : at::autocast::set_autocast_gpu_dtype(dtype);
+#endif
+}
+
+/// Initializes LibTorch's CUDA state (the caching allocator among it) if nothing has yet: from 2.6 one
+/// function takes the device type.
+inline void lazy_init_cuda() {
+#if MEMSAVE_TORCH_AT_LEAST(2, 6)
+  at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+#else
+  at::globalContext().lazyInitCUDA();
 #endif
 }
 

@@ -1,6 +1,8 @@
 // The meter's CUDA side: the caching allocator's statistics and memory fraction, and pinned host memory.
 #include "memory_internal.h"
 
+#include "compat.h"
+
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/PinnedMemoryAllocator.h>
@@ -61,19 +63,33 @@ void pinned_release(void* ptr) {
   }
 }
 
+/// Makes LibTorch's caching allocator ready for device `index` (its statistics and memory fraction fail with
+/// "did you call init?" in a program that has not used CUDA yet), after checking that the device exists.
+void ready(c10::DeviceIndex index) {
+  const c10::DeviceIndex count = c10::cuda::device_count();
+  TORCH_CHECK(index >= 0 && index < count, "memsave: no CUDA device ", static_cast<int>(index), " (",
+              static_cast<int>(count), " present)");
+  compat::lazy_init_cuda();
+}
+
 }  // namespace
 
 c10::DeviceIndex cuda_current_device() { return c10::cuda::current_device(); }
 
 DeviceCounts cuda_counts(c10::DeviceIndex index) {
+  ready(index);
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
   return {stats.allocated_bytes[kAggregate].current, stats.allocated_bytes[kAggregate].peak,
           stats.allocation[kAggregate].current};
 }
 
-void cuda_reset_peak(c10::DeviceIndex index) { c10::cuda::CUDACachingAllocator::resetPeakStats(index); }
+void cuda_reset_peak(c10::DeviceIndex index) {
+  ready(index);
+  c10::cuda::CUDACachingAllocator::resetPeakStats(index);
+}
 
 void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes) {
+  ready(index);
   const auto total = static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem);
   const double fraction = bytes ? std::min(1.0, static_cast<double>(*bytes) / total) : 1.0;
   c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, index);

@@ -17,6 +17,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdlib>
 #include <utility>
 
 namespace memsave {
@@ -39,6 +40,23 @@ TEST(CudaMeter, CountsTheCachingAllocatorsBytesExactly) {
     EXPECT_EQ(scope.peak() - scope.start(), 1 << 20);
   }
   EXPECT_EQ(memory_stats(kCuda).current, before);
+}
+
+TEST(CudaMeter, WorksInAProgramThatHasNotUsedCudaYet) {
+  SKIP_WITHOUT_CUDA();
+  // A fresh process (the death test runs this test again in a new one), where no CUDA tensor has been made:
+  // setting a budget first and reading the pool, as a user rescuing a model does, must not meet LibTorch's
+  // uninitialized caching allocator ("did you call init?").
+  ::testing::FLAGS_gtest_death_test_style = "threadsafe";
+  EXPECT_EXIT(
+      {
+        set_budget(kCuda, int64_t{1} << 30);
+        const MemoryStats stats = memory_stats(kCuda);
+        const PeakScope scope(kCuda);
+        std::exit(stats.current == 0 && stats.budget == (int64_t{1} << 30) && scope.peak() == 0 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_THROW(memory_stats(torch::Device(torch::kCUDA, 99)), c10::Error);  // no such device: a clear error
 }
 
 TEST(CudaMeter, ABudgetBoundsTheDevicePool) {
