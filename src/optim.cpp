@@ -9,6 +9,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <unordered_map>
 
 namespace memsave::optim {
 namespace {
@@ -359,6 +360,16 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
     w.param = p.is_contiguous() ? p : p.contiguous();
     w.grad = p.grad().contiguous();
   }
+  //    The scaler's 1/scale on each device, and the code books on each CUDA device.
+  std::unordered_map<c10::Device, torch::Tensor> inv_scales;
+  for (const Work& w : work) {
+    const c10::Device device = w.param.device();
+    if (inv_scale.defined() && !inv_scales.count(device))
+      inv_scales[device] = inv_scale.to(device).reshape({});
+#ifdef MEMSAVE_WITH_CUDA
+    if (device.is_cuda()) detail::cuda_books_ready(device.index(), bits_);
+#endif
+  }
 
   // 3. Commit new state, then update.
   for (Work& w : work) {
@@ -373,7 +384,7 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
     const k::StepScalars scalars = k::make_step_scalars(rule, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
                                                         s.step(), h.nesterov, h.dampening);
     detail::TensorStep t{w.param, w.grad, &s, rule, scalars, {}};
-    if (inv_scale.defined()) t.inv_scale = inv_scale.to(w.param.device()).reshape({});
+    if (inv_scale.defined()) t.inv_scale = inv_scales.at(w.param.device());
     if (w.param.is_cuda()) {
       cuda_steps.push_back(t);
     } else {

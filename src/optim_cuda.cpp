@@ -42,6 +42,11 @@ k::DType storage_type(const torch::Tensor& t) {
 
 }  // namespace
 
+void cuda_books_ready(c10::DeviceIndex device, int bits) {
+  device_book(true, bits, device);
+  device_book(false, bits, device);
+}
+
 void step_cuda(const std::vector<TensorStep>& steps) {
   // device, block size (0: fp32), bits, dtype, rule
   using Key = std::tuple<c10::DeviceIndex, int64_t, int64_t, int32_t, int32_t>;
@@ -74,8 +79,10 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     step.bits = block_size > 0 ? static_cast<int>(bits) : 8;
     step.rule = static_cast<k::Rule>(rule);
     step.dtype = static_cast<k::DType>(dtype);
-    step.signed_book = device_book(true, step.bits, device);
-    step.unsigned_book = device_book(false, step.bits, device);
+    if (step.quantized) {  // the fp32-state kernel reads no book
+      step.signed_book = device_book(true, step.bits, device);
+      step.unsigned_book = device_book(false, step.bits, device);
+    }
     const auto scale = inv_scales.find(device);
     step.inv_scale = scale == inv_scales.end() ? nullptr : scale->second;
     const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());

@@ -20,7 +20,10 @@ struct TensorStep {
 };
 
 void step_cpu(const TensorStep& step);
-/// All tensors on one CUDA device; one launch per group of tensors of one state kind and dtype.
+/// Copies the code books of `bits`-bit state to CUDA device `device` if they are not there yet: the one
+/// allocation of a CUDA step besides the state, made before anything is stepped.
+void cuda_books_ready(c10::DeviceIndex device, int bits);
+/// One launch per group of tensors of one device, state kind, storage type and rule; allocates nothing.
 void step_cuda(const std::vector<TensorStep>& steps);
 
 }  // namespace memsave::optim::detail
