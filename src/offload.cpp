@@ -290,6 +290,7 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
     o.param = p;
     o.master = host_empty(p.sizes(), torch::kFloat);
     o.grad = host_empty(p.sizes(), torch::kFloat);
+    if (p.is_cuda() && p.scalar_type() != torch::kFloat) o.staging = host_empty(p.sizes(), p.scalar_type());
     {
       torch::NoGradGuard no_grad;
       o.master.copy_(p);
@@ -307,7 +308,7 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
     for (size_t i = 0; i < offloaded_.size(); ++i) {
       BackwardCopies::Slot& slot = copies_->slots[i];
       slot.param = offloaded_[i].param;
-      slot.host = offloaded_[i].grad;
+      slot.host = offloaded_[i].landing();
       if (!slot.param.requires_grad()) continue;  // no backward will reach it
       slot.accumulator = torch::autograd::impl::grad_accumulator(slot.param);
       slot.hook_key = slot.accumulator->add_post_hook(std::make_unique<CopyWhenAccumulated>(copies_, i));
@@ -422,7 +423,7 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
     const torch::Tensor& g = o.param.grad();
     if (!g.defined() || stepped[i]) continue;  // no gradient, or stepped already: the master is not stepped
     if (!copies_ || !copies_->fresh(i)) {
-      o.grad.copy_(g, /*non_blocking=*/g.is_cuda());
+      o.landing().copy_(g, /*non_blocking=*/g.is_cuda());
       if (copies_) copies_->record(i, g);
       ++last_copies_.at_step;
     }
@@ -460,7 +461,10 @@ void OffloadOptimizer::step_masters(const std::vector<size_t>& which) {
   auto clear = [&] {
     for (size_t i : which) offloaded_[i].master.mutable_grad() = torch::Tensor();
   };
-  for (size_t i : which) offloaded_[i].master.mutable_grad() = offloaded_[i].grad;
+  for (size_t i : which) {
+    offloaded_[i].widen_gradient();
+    offloaded_[i].master.mutable_grad() = offloaded_[i].grad;
+  }
   try {
     host_->step();
   } catch (...) {
@@ -476,6 +480,7 @@ void OffloadOptimizer::step_one(size_t i, bool beside) {
   HostAllocationScope host;
   const Offloaded& o = offloaded_[i];
   if (beside) sync_hyper_parameters();  // a schedule may have changed them since the last step
+  o.widen_gradient();
   o.master.mutable_grad() = o.grad;
   try {
     host_->step();
@@ -493,9 +498,12 @@ void OffloadOptimizer::copy_back(const Offloaded& o, bool beside) {
     if (beside && !copies_->up_stream) copies_->up_stream = detail::side_stream(o.param.device());
     const c10::Stream stream =
         beside ? *copies_->up_stream : detail::cuda_current_stream(o.param.device().index());
+    // NOTE: converted on the host (`staging`): an out-of-memory for a conversion buffer on the device would
+    // leave this parameter behind its stepped master.
+    const torch::Tensor& source = o.staging.defined() ? o.staging.copy_(o.master) : o.master;
     const c10::StreamGuard guard(stream);
-    o.param.copy_(o.master, /*non_blocking=*/true);
-    detail::cuda_record_host_use(o.master, stream);
+    o.param.copy_(source, /*non_blocking=*/true);
+    detail::cuda_record_host_use(source, stream);
     return;
   }
 #endif
@@ -511,6 +519,7 @@ std::vector<torch::Tensor> OffloadOptimizer::host_state_tensors() const {
   for (const Offloaded& o : offloaded_) {
     out.push_back(o.master);
     out.push_back(o.grad);
+    if (o.staging.defined()) out.push_back(o.staging);
   }
   if (host_) {
     const auto state = host_->state_tensors();
@@ -577,7 +586,7 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < count; ++i) {
     offloaded_[i].master.copy_(masters[i]);
-    offloaded_[i].param.copy_(masters[i]);
+    copy_back(offloaded_[i], /*beside=*/false);
   }
   if (host) host_ = std::move(host);
   if (device) device_ = std::move(device);

@@ -267,6 +267,46 @@ TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
   }
 }
 
+TEST(CudaOffload, HalfPrecisionParametersAreConvertedOnTheHost) {
+  SKIP_WITHOUT_CUDA();
+  // bf16 parameters on CUDA: the gradients land in host buffers of their dtype, and the stepped masters are
+  // converted into them before the copy back, so no copy converts on the device. The parameters end with the
+  // bits of a bf16 CPU model given the same gradients, whichever way the gradients are copied, and the host
+  // holds 2 more bytes per parameter than for that CPU model.
+  const auto ways = {OffloadOptimizerOptions(1e-3), OffloadOptimizerOptions(1e-3).copy_during_backward(true),
+                     OffloadOptimizerOptions(1e-3).step_during_backward(true)};
+  for (const OffloadOptimizerOptions& way : ways) {
+    torch::manual_seed(0);
+    auto cpu = torch::nn::Linear(512, 256);
+    cpu->to(torch::kBFloat16);
+    auto cuda = torch::nn::Linear(512, 256);
+    {
+      torch::NoGradGuard no_grad;
+      cuda->weight.copy_(cpu->weight);
+      cuda->bias.copy_(cpu->bias);
+    }
+    cuda->to(kCuda, torch::kBFloat16);
+    OffloadOptimizer a(cpu->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8));
+    OffloadOptimizer b(cuda->parameters(), OffloadOptimizerOptions(way).state_bits(8));
+    auto host_bytes = [](const OffloadOptimizer& opt) {
+      int64_t bytes = 0;
+      for (const auto& t : opt.host_state_tensors()) bytes += t.nbytes();
+      return bytes;
+    };
+    EXPECT_EQ(host_bytes(b) - host_bytes(a), 2 * (512 * 256 + 256));
+    for (int step = 0; step < 4; ++step) {
+      b.zero_grad();
+      const auto x = torch::randn({32, 512}).to(kCuda, torch::kBFloat16);
+      cuda->forward(x).to(torch::kFloat).square().sum().backward();
+      b.step();
+      for (size_t i = 0; i < 2; ++i) cpu->parameters()[i].mutable_grad() = cuda->parameters()[i].grad().cpu();
+      a.step();
+      for (size_t i = 0; i < 2; ++i)
+        EXPECT_TRUE(torch::equal(cpu->parameters()[i], cuda->parameters()[i].cpu())) << step << " " << i;
+    }
+  }
+}
+
 /// The same small CUDA model every call (seeded).
 torch::nn::Sequential cuda_mlp() {
   torch::manual_seed(1);

@@ -47,6 +47,36 @@ void expect_same_parameters(tnn::Sequential& a, tnn::Sequential& b) {
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i])) << "parameter " << i;
 }
 
+TEST(Offload, HalfPrecisionParametersFollowTheirFp32Masters) {
+  // A bf16 model: each parameter is its fp32 master rounded to bf16 after every step, the master stepped
+  // with the bf16 gradient widened to fp32; the same whichever way the gradients are copied.
+  const auto ways = {OffloadOptimizerOptions(1e-3), OffloadOptimizerOptions(1e-3).copy_during_backward(true),
+                     OffloadOptimizerOptions(1e-3).step_during_backward(true)};
+  for (const OffloadOptimizerOptions& way : ways) {
+    auto net = model();
+    net->to(torch::kBFloat16);
+    std::vector<torch::Tensor> masters;
+    for (const auto& p : net->parameters()) masters.push_back(p.detach().to(torch::kFloat).requires_grad_());
+    OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(way).state_bits(8));
+    optim::AdamW8bit reference(masters, optim::AdamW8bitOptions(1e-3));
+    torch::manual_seed(42);
+    for (int s = 0; s < 4; ++s) {
+      opt.zero_grad();
+      const auto x = torch::randn({32, 64}).to(torch::kBFloat16), y = torch::randint(8, {32});
+      F::cross_entropy(net->forward(x).to(torch::kFloat), y).backward();
+      opt.step();
+      for (size_t i = 0; i < masters.size(); ++i)
+        masters[i].mutable_grad() = net->parameters()[i].grad().to(torch::kFloat);
+      reference.step();
+      for (size_t i = 0; i < masters.size(); ++i) {
+        EXPECT_EQ(net->parameters()[i].scalar_type(), torch::kBFloat16);
+        EXPECT_TRUE(torch::equal(net->parameters()[i], masters[i].detach().to(torch::kBFloat16)))
+            << "step " << s << ", parameter " << i << (way.step_during_backward() ? ", stepped during" : "");
+      }
+    }
+  }
+}
+
 TEST(Offload, StepIsBitIdenticalToTheSameKernelOnTheDevice) {
   for (const auto& [bits, during_backward] : {std::pair(32, false), std::pair(8, false), std::pair(4, false),
                                               std::pair(32, true), std::pair(8, true), std::pair(4, true)}) {

@@ -124,7 +124,17 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   struct Offloaded {
     torch::Tensor param;   ///< on the device
     torch::Tensor master;  ///< fp32, host arena; the inner optimizer's parameter
-    torch::Tensor grad;    ///< host arena buffer the gradient is copied into
+    torch::Tensor grad;    ///< fp32, host arena: the gradient the master is stepped with
+    /// A CUDA parameter that is not fp32: a host arena buffer of its dtype, which the gradient is copied into
+    /// and the stepped master converted into before its copy back: conversions run on the host, since a
+    /// converting copy between host and device takes a conversion buffer on the device.
+    torch::Tensor staging;
+    /// Where the gradient's copy from the device lands.
+    const torch::Tensor& landing() const { return staging.defined() ? staging : grad; }
+    /// Makes `grad` hold the gradient that landed (converted, where it landed in `staging`).
+    void widen_gradient() const {
+      if (staging.defined()) grad.copy_(staging);
+    }
   };
   void sync_hyper_parameters();
   /// Steps the masters of `which` (indices into offloaded_) and copies them back into their parameters.
