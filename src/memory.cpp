@@ -23,9 +23,9 @@ thread_local int host_scopes = 0;
 /// A CPU allocator over a counted pool. Blocks carry their size, so `data == context` as LibTorch requires.
 class CountingAllocator final : public compat::Allocator {
  public:
-  CountingAllocator(const char* pool_name, kernels::RawMemory raw,
+  CountingAllocator(const char* pool_name, kernels::BytePool& pool, kernels::RawMemory raw,
                     CountingAllocator& (*in_host_scope)() = nullptr)
-      : pool_name_(pool_name), raw_(raw), in_host_scope_(in_host_scope) {}
+      : pool_name_(pool_name), raw_(raw), in_host_scope_(in_host_scope), pool_(pool) {}
 
   c10::DataPtr allocate_bytes(size_t nbytes) override {
     if (in_host_scope_ != nullptr && host_scopes > 0) return in_host_scope_().allocate_bytes(nbytes);
@@ -51,11 +51,23 @@ class CountingAllocator final : public compat::Allocator {
  private:
   const char* pool_name_;
   kernels::RawMemory raw_;
-  /// Where allocations go while the thread has a HostAllocationScope open (made on first use: the host arena
-  /// probes for CUDA, which must not happen when the meter installs itself at program start).
+  /// Where allocations go while the thread has a HostAllocationScope open (a function, so the allocator is
+  /// made on first use).
   CountingAllocator& (*in_host_scope_)();
-  kernels::BytePool pool_;
+  kernels::BytePool& pool_;
 };
+
+// NOTE: the pools and allocators are leaked on purpose: tensors freed during static destruction still reach
+// their pool through the block header, so the pools must outlive every other static.
+kernels::BytePool& cpu_pool() {
+  static auto* pool = new kernels::BytePool();
+  return *pool;
+}
+
+kernels::BytePool& host_pool() {
+  static auto* pool = new kernels::BytePool();
+  return *pool;
+}
 
 bool& host_pinned() {
   static bool pinned = false;
@@ -71,16 +83,21 @@ CountingAllocator& host_arena() {
       host_pinned() = true;
     }
 #endif
-    return new CountingAllocator("host arena", raw);
+    return new CountingAllocator("host arena", host_pool(), raw);
   }();
   return *allocator;
 }
 
-// NOTE: leaked on purpose: tensors freed during static destruction still reach their pool through the
-// block header, so the pools must outlive every other static.
+/// The host arena's memory for what stays on the host (the state that CPU code makes in a
+/// HostAllocationScope): never pinned, since no copy to or from a device reads it. Counted with the arena.
+CountingAllocator& host_scope_arena() {
+  static auto* allocator = new CountingAllocator("host arena", host_pool(), kernels::aligned_host_memory());
+  return *allocator;
+}
+
 CountingAllocator& cpu_allocator() {
   static auto* allocator =
-      new CountingAllocator("CPU device pool", kernels::aligned_host_memory(), &host_arena);
+      new CountingAllocator("CPU device pool", cpu_pool(), kernels::aligned_host_memory(), &host_scope_arena);
   return *allocator;
 }
 

@@ -264,6 +264,10 @@ TEST(CudaOffload, StepsACudaModelExactlyAsACpuModel) {
     }
     for (size_t i = 0; i < 2; ++i)
       EXPECT_TRUE(torch::equal(cpu->parameters()[i], cuda->parameters()[i].cpu()));
+    // the masters and gradient buffers, which copies read and write, are pinned; the state is not
+    const std::vector<torch::Tensor> host = b.host_state_tensors();
+    ASSERT_GT(host.size(), 4u);
+    for (size_t i = 0; i < host.size(); ++i) EXPECT_EQ(host[i].is_pinned(), i < 4) << bits << " bits, " << i;
   }
 }
 

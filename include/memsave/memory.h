@@ -90,11 +90,13 @@ MemoryStats host_memory_stats();
 void reset_host_peak();
 /// True when the host arena hands out page-locked (pinned) memory.
 bool host_memory_is_pinned();
-/// An empty CPU tensor whose storage comes from the host arena.
+/// An empty CPU tensor whose storage comes from the host arena (pinned when a CUDA device is present).
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype);
 /// While open, the CPU tensors this thread allocates come from the host arena instead of the CPU device pool
 /// (how the offloading wrappers keep state that CPU code creates, such as an optimizer's, off the "device"
-/// when the device is the CPU). Scopes nest.
+/// when the device is the CPU). That memory stays on the host and is never pinned, not even with CUDA (page-
+/// locked memory is scarce, and LibTorch's pinned allocator rounds each block up to a power of two); use
+/// host_empty for buffers that copies to or from a device read or write. Scopes nest.
 class HostAllocationScope {
  public:
   HostAllocationScope();
