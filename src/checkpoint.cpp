@@ -1,9 +1,7 @@
 #include "memsave/checkpoint.h"
 
 #include "compat.h"
-#ifdef MEMSAVE_WITH_CUDA
 #include "memory_internal.h"
-#endif
 #include "memsave/memory.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -220,9 +218,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       for (const at::Tensor& x : inputs) {
         at::Tensor host = host_empty(x.sizes(), x.scalar_type());
         host.copy_(x, /*non_blocking=*/x.is_cuda());
-#ifdef MEMSAVE_WITH_CUDA
-        if (x.is_cuda()) detail::cuda_record_host_use(host, detail::cuda_current_stream(x.device().index()));
-#endif
+        detail::record_host_use(host, x.device());
         r->host_inputs.push_back(std::move(host));
         r->input_devices.push_back(x.device());
       }
@@ -241,12 +237,8 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     std::vector<at::Tensor> inputs;
     if (r->options.offload_inputs()) {
       for (size_t i = 0; i < r->host_inputs.size(); ++i) {
-        const c10::Device device = r->input_devices[i];
-        inputs.push_back(r->host_inputs[i].to(device, /*non_blocking=*/true));
-#ifdef MEMSAVE_WITH_CUDA
-        if (device.is_cuda())
-          detail::cuda_record_host_use(r->host_inputs[i], detail::cuda_current_stream(device.index()));
-#endif
+        inputs.push_back(r->host_inputs[i].to(r->input_devices[i], /*non_blocking=*/true));
+        detail::record_host_use(r->host_inputs[i], r->input_devices[i]);
       }
     } else {
       inputs = ctx->get_saved_variables();

@@ -253,6 +253,15 @@ bool host_memory_is_pinned() {
 HostAllocationScope::HostAllocationScope() { ++host_scopes; }
 HostAllocationScope::~HostAllocationScope() { --host_scopes; }
 
+void detail::record_host_use(const at::Tensor& host, c10::Device device) {
+#ifdef MEMSAVE_WITH_CUDA
+  if (device.is_cuda()) cuda_record_host_use(host, cuda_current_stream(device.index()));
+#else
+  (void)host;
+  (void)device;
+#endif
+}
+
 at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
   return at::detail::empty_generic(sizes, host_allocator(), c10::DispatchKeySet(c10::DispatchKey::CPU), dtype,
                                    std::nullopt);

@@ -32,5 +32,8 @@ c10::Stream cuda_current_stream(c10::DeviceIndex index);
 /// pinned tensors but cannot find the block under an arena tensor, whose data starts after memsave's block
 /// header.) Does nothing for memory outside the pinned arena.
 void cuda_record_host_use(const at::Tensor& host, const c10::Stream& stream);
+/// cuda_record_host_use for a copy queued on the current stream of `device`; nothing for a CPU device or in a
+/// build without CUDA.
+void record_host_use(const at::Tensor& host, c10::Device device);
 
 }  // namespace memsave::detail
