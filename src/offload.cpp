@@ -130,7 +130,8 @@ struct OffloadOptimizer::BackwardCopies {
       if (!side_stream) side_stream = detail::side_stream(g.device());
       detail::copy_on_side_stream(*side_stream, s.host, g);
 #else
-      return;  // a LibTorch with CUDA but memsave without: the step copies
+      // a LibTorch with CUDA but memsave without: the step copies
+      return;
 #endif
     } else {
       torch::NoGradGuard no_grad;

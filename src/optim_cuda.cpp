@@ -50,8 +50,11 @@ void cuda_books_ready(c10::DeviceIndex device, int bits) {
 void step_cuda(const std::vector<TensorStep>& steps) {
   // device, block size (0: fp32), bits, dtype, rule
   using Key = std::tuple<c10::DeviceIndex, int64_t, int64_t, int32_t, int32_t>;
-  std::map<Key, std::vector<k::CudaTensorStep>> groups;
-  std::map<c10::DeviceIndex, const float*> inv_scales;  // each device's copy of the scaler's 1/scale
+  struct Group {
+    std::vector<k::CudaTensorStep> tensors;
+    const float* inv_scale = nullptr;  ///< the device's copy of the scaler's 1/scale, when scaled
+  };
+  std::map<Key, Group> groups;
   for (const TensorStep& t : steps) {
     const QuantizedParamState& s = *t.state;
     k::CudaTensorStep c;
@@ -63,12 +66,13 @@ void step_cuda(const std::vector<TensorStep>& steps) {
     c.absmax_v = s.absmax_v().defined() ? s.absmax_v().data_ptr<float>() : nullptr;
     c.numel = t.param.numel();
     c.scalars = t.scalars;
-    if (t.inv_scale.defined()) inv_scales[t.param.device().index()] = t.inv_scale.data_ptr<float>();
-    groups[Key{t.param.device().index(), s.block_size(), s.quantized() ? s.bits() : 0,
-               static_cast<int32_t>(storage_type(t.param)), static_cast<int32_t>(t.rule)}]
-        .push_back(c);
+    Group& group = groups[Key{t.param.device().index(), s.block_size(), s.quantized() ? s.bits() : 0,
+                              static_cast<int32_t>(storage_type(t.param)), static_cast<int32_t>(t.rule)}];
+    group.tensors.push_back(c);
+    if (t.inv_scale.defined()) group.inv_scale = t.inv_scale.data_ptr<float>();
   }
-  for (const auto& [key, tensors] : groups) {
+  for (const auto& [key, group] : groups) {
+    const std::vector<k::CudaTensorStep>& tensors = group.tensors;
     const auto [device, block_size, bits, dtype, rule] = key;
     const c10::cuda::CUDAGuard guard(device);
     k::CudaStep step;
@@ -83,8 +87,7 @@ void step_cuda(const std::vector<TensorStep>& steps) {
       step.signed_book = device_book(true, step.bits, device);
       step.unsigned_book = device_book(false, step.bits, device);
     }
-    const auto scale = inv_scales.find(device);
-    step.inv_scale = scale == inv_scales.end() ? nullptr : scale->second;
+    step.inv_scale = group.inv_scale;
     const int error = k::launch_step_cuda(step, at::cuda::getCurrentCUDAStream(device).stream());
     C10_CUDA_CHECK(static_cast<cudaError_t>(error));
   }
