@@ -9,68 +9,115 @@ namespace memsave::kernels {
   namespace isa {                                                                                   \
   void step32(const Step32& step, std::int64_t begin, std::int64_t end);                            \
   void step_quantized(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end); \
-  void quantize(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,        \
+  void quantize(const VectorBook& book, const float* values, float scale, std::uint8_t* codes,      \
                 std::int64_t n);                                                                    \
+  void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out,      \
+                  std::int64_t n);                                                                  \
   }
 MEMSAVE_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
 MEMSAVE_DECLARE_ISA(avx2)
 MEMSAVE_DECLARE_ISA(avx512)
+MEMSAVE_DECLARE_ISA(avx512vbmi)
 #endif
 #undef MEMSAVE_DECLARE_ISA
 
 namespace {
 
-enum class Isa { kBaseline, kAvx2, kAvx512 };
+enum class Isa { kBaseline, kAvx2, kAvx512, kAvx512Vbmi };
 
-/// The best the processor has, capped by MEMSAVE_CPU_ISA=baseline|avx2 (for tests and comparisons).
+/// The best the processor has, capped by MEMSAVE_CPU_ISA=baseline|avx2|avx512 (for tests and comparisons).
 Isa detect() {
-  const char* cap = std::getenv("MEMSAVE_CPU_ISA");
-  if (cap != nullptr && std::strcmp(cap, "baseline") == 0) return Isa::kBaseline;
-  const bool avx2_at_most = cap != nullptr && std::strcmp(cap, "avx2") == 0;
+  const char* cap_name = std::getenv("MEMSAVE_CPU_ISA");
+  Isa cap = Isa::kAvx512Vbmi;
+  if (cap_name != nullptr && std::strcmp(cap_name, "baseline") == 0) cap = Isa::kBaseline;
+  if (cap_name != nullptr && std::strcmp(cap_name, "avx2") == 0) cap = Isa::kAvx2;
+  if (cap_name != nullptr && std::strcmp(cap_name, "avx512") == 0) cap = Isa::kAvx512;
+  Isa best = Isa::kBaseline;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (!avx2_at_most && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512dq")) {
-    return Isa::kAvx512;
+    best = __builtin_cpu_supports("avx512vbmi") ? Isa::kAvx512Vbmi : Isa::kAvx512;
   }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;
 #endif
-  return Isa::kBaseline;
+  return best < cap ? best : cap;
 }
 
 const Isa kIsa = detect();
 
 }  // namespace
 
-void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end) {
+/// Calls the kernel `name` of the instruction set chosen at start-up.
 #if defined(__x86_64__)
-  if (kIsa == Isa::kAvx512) return avx512::step32(step, begin, end);
-  if (kIsa == Isa::kAvx2) return avx2::step32(step, begin, end);
+#define MEMSAVE_DISPATCH(name, ...)         \
+  switch (kIsa) {                           \
+    case Isa::kAvx512Vbmi:                  \
+      return avx512vbmi::name(__VA_ARGS__); \
+    case Isa::kAvx512:                      \
+      return avx512::name(__VA_ARGS__);     \
+    case Isa::kAvx2:                        \
+      return avx2::name(__VA_ARGS__);       \
+    case Isa::kBaseline:                    \
+      break;                                \
+  }                                         \
+  return baseline::name(__VA_ARGS__)
+#else
+#define MEMSAVE_DISPATCH(name, ...) return baseline::name(__VA_ARGS__)
 #endif
-  baseline::step32(step, begin, end);
+
+void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end) {
+  MEMSAVE_DISPATCH(step32, step, begin, end);
 }
 
 void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end) {
-#if defined(__x86_64__)
-  if (kIsa == Isa::kAvx512) return avx512::step_quantized(step, block_begin, block_end);
-  if (kIsa == Isa::kAvx2) return avx2::step_quantized(step, block_begin, block_end);
-#endif
-  baseline::step_quantized(step, block_begin, block_end);
+  MEMSAVE_DISPATCH(step_quantized, step, block_begin, block_end);
 }
 
 void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,
                   std::int64_t n) {
-#if defined(__x86_64__)
-  if (kIsa == Isa::kAvx512) return avx512::quantize(book, values, scale, codes, n);
-  if (kIsa == Isa::kAvx2) return avx2::quantize(book, values, scale, codes, n);
-#endif
-  baseline::quantize(book, values, scale, codes, n);
+  const VectorBook vector = make_vector_book(book);
+  MEMSAVE_DISPATCH(quantize, vector, values, scale, codes, n);
+}
+
+void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
+                    std::int64_t n) {
+  const VectorBook vector = make_vector_book(book);
+  MEMSAVE_DISPATCH(dequantize, vector, codes, absmax, out, n);
+}
+
+#undef MEMSAVE_DISPATCH
+
+VectorBook make_vector_book(const CodeBook& book) {
+  VectorBook vector;
+  vector.book = &book;
+  for (int c = 0; c < book.count; ++c) {
+    const std::uint32_t bits = to_bits(book.code[c]);
+    for (int k = 0; k < 4; ++k) vector.plane[k][c] = static_cast<std::uint8_t>(bits >> (8 * k));
+  }
+  vector.lowest = quantize(book, 0.0f);
+  if (book.count == 16) {
+    const std::vector<std::uint32_t> thresholds = code_thresholds(book);
+    for (int j = 0; j < 16; ++j) {
+      vector.step_up[j] = j < static_cast<int>(thresholds.size()) ? thresholds[j] : 0xffffffffu;
+    }
+  }
+  return vector;
+}
+
+const VectorBook& vector_book(bool is_signed, int bits) {
+  static const VectorBook books[2][2] = {
+      {make_vector_book(unsigned_code_book(4)), make_vector_book(unsigned_code_book(8))},
+      {make_vector_book(signed_code_book(4)), make_vector_book(signed_code_book(8))}};
+  return books[is_signed ? 1 : 0][bits == 4 ? 0 : 1];
 }
 
 const char* cpu_kernel_isa() {
   switch (kIsa) {
+    case Isa::kAvx512Vbmi:
+      return "avx512vbmi";
     case Isa::kAvx512:
       return "avx512";
     case Isa::kAvx2:

@@ -1,6 +1,6 @@
 // Fused optimizer steps on the CPU: one pass over memory, single-threaded over a range (the caller splits the
-// work across threads), built for AVX-512, AVX2 and baseline x86-64 and chosen at run time (intrinsics for
-// the code-book look-ups, the compiler's vectorizer for the update math).
+// work across threads), built for AVX-512 with and without VBMI, AVX2 and baseline x86-64 and chosen at run
+// time (intrinsics for the code-book look-ups, the compiler's vectorizer for the update math).
 #pragma once
 
 #include "dtypes.h"
@@ -42,6 +42,20 @@ struct StepQuantized {
   int bits = 8;  ///< 8, or 4 (two codes to a byte, qmap.h's code_bytes)
 };
 
+/// A book as the vector kernels look it up. 8-bit books: the 256 codes' bytes as four planes, which AVX-512
+/// VBMI's byte permutes read 64 codes at a time from 16 registers (instead of a 16-lane gather per 16 codes).
+/// 16-code books: the magnitudes at which the code steps up (qmap.h's code_thresholds), for a binary search
+/// in one register (instead of a gather from the cell table).
+struct VectorBook {
+  const CodeBook* book = nullptr;
+  alignas(64) std::uint8_t plane[4][kCodes] = {};  ///< plane[k][c]: bits 8k..8k+7 of code[c]
+  alignas(64) std::uint32_t step_up[16] = {};      ///< 16-code books: the thresholds, then 0xffffffff
+  std::uint32_t lowest = 0;                        ///< the code of magnitude 0: quantize(book, 0)
+};
+VectorBook make_vector_book(const CodeBook& book);
+/// signed_code_book(bits) or unsigned_code_book(bits) as a VectorBook, built once.
+const VectorBook& vector_book(bool is_signed, int bits);
+
 /// Updates elements [begin, end).
 void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end);
 /// Updates blocks [block_begin, block_end): dequantize, update, new block absmax, requantize, in one pass.
@@ -52,7 +66,12 @@ void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std
 void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,
                   std::int64_t n);
 
-/// The instruction set the CPU kernels run with here: "avx512", "avx2" or "baseline".
+/// out[i] = book.code[codes[i]] * absmax, with the vector code of the step kernels (for tests, as above).
+void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
+                    std::int64_t n);
+
+/// The instruction set the CPU kernels run with here: "avx512vbmi", "avx512", "avx2" or "baseline"
+/// (MEMSAVE_CPU_ISA=avx512|avx2|baseline caps it).
 const char* cpu_kernel_isa();
 
 }  // namespace memsave::kernels

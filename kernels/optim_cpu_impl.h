@@ -33,12 +33,63 @@ void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
   }
 }
 
+#if defined(__AVX512VBMI__)
+/// The order of 64 codes that the byte interleave of dequantize_run puts back in place: it works within
+/// 128-bit lanes, so byte 16L + 4q + j (lane L) must hold code 16q + 4L + j.
+struct InterleaveOrder {
+  std::uint8_t byte[64];
+};
+constexpr InterleaveOrder interleave_order() {
+  InterleaveOrder order{};
+  for (int lane = 0; lane < 4; ++lane) {
+    for (int q = 0; q < 4; ++q) {
+      for (int j = 0; j < 4; ++j) {
+        order.byte[16 * lane + 4 * q + j] = static_cast<std::uint8_t>(16 * q + 4 * lane + j);
+      }
+    }
+  }
+  return order;
+}
+inline constexpr InterleaveOrder kInterleaveOrder = interleave_order();
+#endif
+
 /// codes -> values * absmax for n codes.
-inline void dequantize_run(const CodeBook& book, const std::uint8_t* __restrict codes, float absmax,
+inline void dequantize_run(const VectorBook& vb, const std::uint8_t* __restrict codes, float absmax,
                            float* __restrict out, std::int64_t n) {
+  const CodeBook& book = *vb.book;
   std::int64_t i = 0;
 #if defined(__AVX512F__)
   const __m512 scale = _mm512_set1_ps(absmax);
+#if defined(__AVX512VBMI__)
+  if (book.count == kCodes) {
+    // Each byte of the 256 values is looked up from its plane (four registers: two 128-byte permutes and a
+    // blend on the code's top bit), 64 codes at a time; interleaving the four byte vectors gives the floats
+    // (the codes are first put in the order the interleave undoes).
+    __m512i plane[4][4];
+    for (int k = 0; k < 4; ++k) {
+      for (int r = 0; r < 4; ++r) plane[k][r] = _mm512_load_si512(vb.plane[k] + 64 * r);
+    }
+    const __m512i interleave_order = _mm512_loadu_si512(kInterleaveOrder.byte);
+    for (; i + 64 <= n; i += 64) {
+      const __m512i index = _mm512_permutexvar_epi8(interleave_order, _mm512_loadu_si512(codes + i));
+      const __mmask64 upper = _mm512_movepi8_mask(index);
+      __m512i byte[4];
+      for (int k = 0; k < 4; ++k) {
+        byte[k] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(plane[k][0], index, plane[k][1]),
+                                         _mm512_permutex2var_epi8(plane[k][2], index, plane[k][3]));
+      }
+      const __m512i low01 = _mm512_unpacklo_epi8(byte[0], byte[1]),
+                    high01 = _mm512_unpackhi_epi8(byte[0], byte[1]);
+      const __m512i low23 = _mm512_unpacklo_epi8(byte[2], byte[3]),
+                    high23 = _mm512_unpackhi_epi8(byte[2], byte[3]);
+      const __m512i value[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
+                                _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
+      for (int q = 0; q < 4; ++q) {
+        _mm512_storeu_ps(out + i + 16 * q, _mm512_mul_ps(_mm512_castsi512_ps(value[q]), scale));
+      }
+    }
+  }
+#endif
   if (book.count == 16) {  // the whole book in one register: a permute instead of a gather
     const __m512 table = _mm512_loadu_ps(book.code);
     for (; i + 16 <= n; i += 16) {
@@ -73,8 +124,9 @@ inline void dequantize_run(const CodeBook& book, const std::uint8_t* __restrict 
 }
 
 /// values * scale -> nearest codes for n values: `quantize` of qmap.h, lane by lane.
-inline void quantize_run(const CodeBook& book, const float* __restrict values, float scale,
+inline void quantize_run(const VectorBook& vb, const float* __restrict values, float scale,
                          std::uint8_t* __restrict codes, std::int64_t n) {
+  const CodeBook& book = *vb.book;
   std::int64_t i = 0;
 #if defined(__AVX512F__) || defined(__AVX2__)
   const int* table = reinterpret_cast<const int*>(book.cell);
@@ -85,16 +137,37 @@ inline void quantize_run(const CodeBook& book, const float* __restrict values, f
   const __m512i top = _mm512_set1_epi32(static_cast<int>(kLutTopMagnitude));
   const __m512i first = _mm512_set1_epi32(kLutFirstCell), zero = _mm512_setzero_si512();
   const __m512i mirror = _mm512_set1_epi32(book.mirror);
+  // The sign, as `quantize` applies it to the code `up` of the magnitude.
+  const auto signed_code = [&](__m512i up, __m512i bits) {
+    const __mmask16 negative = _mm512_movepi32_mask(bits);
+    return book.is_signed ? _mm512_mask_max_epi32(up, negative, _mm512_sub_epi32(mirror, up), zero)
+                          : _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), up);
+  };
+  if (book.count == 16) {
+    // A binary search over the (at most 15) magnitudes where the code steps up, held in one register.
+    const __m512i step_up = _mm512_load_si512(vb.step_up),
+                  lowest = _mm512_set1_epi32(static_cast<int>(vb.lowest));
+    for (; i + 16 <= n; i += 16) {
+      const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + i), factor));
+      const __m512i magnitude = _mm512_and_si512(bits, magnitude_bits);
+      __m512i steps = zero;  // thresholds <= magnitude found so far
+      for (int half = 8; half >= 1; half /= 2) {
+        const __m512i next = _mm512_add_epi32(steps, _mm512_set1_epi32(half));
+        const __m512i threshold =
+            _mm512_permutexvar_epi32(_mm512_sub_epi32(next, _mm512_set1_epi32(1)), step_up);
+        steps = _mm512_mask_mov_epi32(steps, _mm512_cmpge_epu32_mask(magnitude, threshold), next);
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
+                       _mm512_cvtepi32_epi8(signed_code(_mm512_add_epi32(lowest, steps), bits)));
+    }
+  }
   for (; i + 16 <= n; i += 16) {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + i), factor));
     const __m512i magnitude = _mm512_min_epu32(_mm512_and_si512(bits, magnitude_bits), top);
     const __m512i cell = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(magnitude, 16), first), zero);
     const __m512i entry = _mm512_i32gather_epi32(cell, table, 4);
-    __m512i code = _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(magnitude, low_bits)), 16);
-    const __mmask16 negative = _mm512_movepi32_mask(bits);
-    code = book.is_signed ? _mm512_mask_max_epi32(code, negative, _mm512_sub_epi32(mirror, code), zero)
-                          : _mm512_maskz_mov_epi32(static_cast<__mmask16>(~negative), code);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(code));
+    const __m512i up = _mm512_srli_epi32(_mm512_add_epi32(entry, _mm512_and_si512(magnitude, low_bits)), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(signed_code(up, bits)));
   }
 #elif defined(__AVX2__)
   const __m256 factor = _mm256_set1_ps(scale);
@@ -147,7 +220,7 @@ inline void pack_codes(const std::uint8_t* __restrict codes, std::uint8_t* __res
 
 /// A block's codes (starting at element `offset`, a multiple of the block size) -> values * absmax.
 template <int Bits>
-inline void dequantize_block(const CodeBook& book, const std::uint8_t* codes, std::int64_t offset,
+inline void dequantize_block(const VectorBook& book, const std::uint8_t* codes, std::int64_t offset,
                              float absmax, float* __restrict out, std::int64_t n,
                              std::uint8_t* __restrict scratch) {
   if constexpr (Bits == 4) {
@@ -160,7 +233,7 @@ inline void dequantize_block(const CodeBook& book, const std::uint8_t* codes, st
 
 /// A block's values * scale -> its nearest codes.
 template <int Bits>
-inline void quantize_block(const CodeBook& book, const float* __restrict values, float scale,
+inline void quantize_block(const VectorBook& book, const float* __restrict values, float scale,
                            std::uint8_t* codes, std::int64_t offset, std::int64_t n,
                            std::uint8_t* __restrict scratch) {
   if constexpr (Bits == 4) {
@@ -180,14 +253,13 @@ struct BlockScratch {
 
 /// One block: dequantize, update, new block absmax, requantize; the block's floats stay in L1.
 template <typename T, Rule R, int Bits>
-inline void step_quantized_block(const StepQuantized& s, std::int64_t block, BlockScratch& w) {
+inline void step_quantized_block(const StepQuantized& s, std::int64_t block, const VectorBook& sb,
+                                 const VectorBook& ub, BlockScratch& w) {
   constexpr bool kSecond = has_second_moment(R);
   const std::int64_t offset = block * s.block_size;
   const std::int64_t n = std::min(s.block_size, s.numel - offset);
   T* __restrict param = static_cast<T*>(s.param) + offset;
   const T* __restrict grad = static_cast<const T*>(s.grad) + offset;
-  const CodeBook& sb = signed_code_book(Bits);
-  const CodeBook& ub = unsigned_code_book(Bits);
   const StepScalars k = s.scalars;
   const float scale = s.grad_scale;
   float* __restrict m = w.m;
@@ -214,10 +286,14 @@ inline void step_quantized_block(const StepQuantized& s, std::int64_t block, Blo
 template <typename T, Rule R>
 void step_quantized_range(const StepQuantized& s, std::int64_t block_begin, std::int64_t block_end) {
   BlockScratch scratch;
+  const VectorBook& sb = vector_book(true, s.bits);
+  const VectorBook& ub = vector_book(false, s.bits);
   if (s.bits == 4) {
-    for (std::int64_t b = block_begin; b < block_end; ++b) step_quantized_block<T, R, 4>(s, b, scratch);
+    for (std::int64_t b = block_begin; b < block_end; ++b)
+      step_quantized_block<T, R, 4>(s, b, sb, ub, scratch);
   } else {
-    for (std::int64_t b = block_begin; b < block_end; ++b) step_quantized_block<T, R, 8>(s, b, scratch);
+    for (std::int64_t b = block_begin; b < block_end; ++b)
+      step_quantized_block<T, R, 8>(s, b, sb, ub, scratch);
   }
 }
 
@@ -266,8 +342,11 @@ void step32(const Step32& s, std::int64_t begin, std::int64_t end) { dispatch<St
 void step_quantized(const StepQuantized& s, std::int64_t begin, std::int64_t end) {
   dispatch<StepQuantizedKernel>(s, begin, end);
 }
-void quantize(const CodeBook& book, const float* values, float scale, std::uint8_t* codes, std::int64_t n) {
+void quantize(const VectorBook& book, const float* values, float scale, std::uint8_t* codes, std::int64_t n) {
   quantize_run(book, values, scale, codes, n);
+}
+void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out, std::int64_t n) {
+  dequantize_run(book, codes, absmax, out, n);
 }
 
 }  // namespace memsave::kernels::MEMSAVE_CPU_ISA

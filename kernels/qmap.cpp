@@ -129,6 +129,25 @@ CodeBook make_code_book(const std::vector<float>& codes) {
   return book;
 }
 
+std::vector<std::uint32_t> code_thresholds(const CodeBook& book) {
+  // `quantize` of a non-negative magnitude never decreases with its bits: bisect for each step.
+  const auto code_of = [&book](std::uint32_t bits) { return quantize(book, bits_to_float(bits)); };
+  std::vector<std::uint32_t> thresholds;
+  for (std::uint32_t code = code_of(0) + 1u; code <= code_of(0x7fffffffu); ++code) {
+    std::uint32_t lo = 0, hi = 0x7fffffffu;  // code_of(hi) >= code
+    while (lo < hi) {
+      const std::uint32_t mid = lo + (hi - lo) / 2;
+      if (code_of(mid) >= code) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    thresholds.push_back(lo);
+  }
+  return thresholds;
+}
+
 const CodeBook& signed_code_book(int bits) {
   static const CodeBook book8 = make_code_book(dynamic_codes(true, 8));
   static const CodeBook book4 = make_code_book(dynamic_codes(true, 4));

@@ -88,6 +88,12 @@ std::vector<float> linear_codes_without_zero();
 /// std::invalid_argument for anything else, or values too dense for a one-comparison search.
 CodeBook make_code_book(const std::vector<float>& codes);
 
+/// The magnitudes at which a book's code steps up, as IEEE bit patterns, ascending: a magnitude whose bits
+/// are u (0 <= u <= 0x7fffffff, NaN included) gets the code quantize(book, 0) + (number of thresholds <= u),
+/// the same as `quantize` gives it. `count - 1 - quantize(book, 0)` thresholds (8 and 15 for the 4-bit
+/// books).
+std::vector<std::uint32_t> code_thresholds(const CodeBook& book);
+
 /// The books the optimizers use, built once: for the first moment (signed, dynamic) and for the second
 /// (unsigned: dynamic for 8 bits, linear without 0 for 4), of `bits` 8 or 4.
 const CodeBook& signed_code_book(int bits = 8);

@@ -363,6 +363,16 @@ TEST(StepQuantized, VectorQuantizeIsTheScalarRuleOnAnyValue) {
                             0x1p-25f,
                             std::nextafter(0x1p-25f, 0.0f)};
   for (std::size_t k = 0; k < sizeof(specials) / sizeof(float); ++k) values[k] = specials[k];
+  // Around every magnitude where a book's code steps up (the 4-bit books' vector search compares with these).
+  std::int64_t next = sizeof(specials) / sizeof(float);
+  for (const CodeBook* book :
+       {&signed_code_book(8), &unsigned_code_book(8), &signed_code_book(4), &unsigned_code_book(4)}) {
+    for (const std::uint32_t t : code_thresholds(*book)) {
+      for (const std::uint32_t bits : {t - 1, t, t + 1, t - 1 + 0x80000000u, t + 0x80000000u}) {
+        values[next++] = bit_cast<float>(bits);
+      }
+    }
+  }
   std::vector<std::uint8_t> vector_codes(n), scalar_codes(n);
   for (const CodeBook* book :
        {&signed_code_book(8), &unsigned_code_book(8), &signed_code_book(4), &unsigned_code_book(4)}) {
@@ -374,6 +384,31 @@ TEST(StepQuantized, VectorQuantizeIsTheScalarRuleOnAnyValue) {
       for (std::int64_t i = 0; i < n; ++i) {
         ASSERT_EQ(vector_codes[i], scalar_codes[i]) << "value " << std::hexfloat << values[i] << " at "
                                                     << std::dec << i << " (" << cpu_kernel_isa() << ")";
+      }
+    }
+  }
+}
+
+TEST(StepQuantized, VectorDequantizeIsTheTableLookUp) {
+  // Every code at every position of a vector, through every width and tail, and a non-finite absmax.
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> any_code(0, 255);
+  for (const CodeBook* book :
+       {&signed_code_book(8), &unsigned_code_book(8), &signed_code_book(4), &unsigned_code_book(4)}) {
+    for (const std::int64_t n :
+         {std::int64_t{1}, std::int64_t{15}, std::int64_t{64}, std::int64_t{1000} * 64 + 63}) {
+      std::vector<std::uint8_t> codes(n);
+      for (std::int64_t i = 0; i < n; ++i)
+        codes[i] = static_cast<std::uint8_t>((any_code(rng) + i) % book->count);
+      for (const float absmax : {1.0f, 0.0123f, 3e38f, INFINITY, NAN}) {
+        std::vector<float> out(n);
+        dequantize_cpu(*book, codes.data(), absmax, out.data(), n);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const float expected = book->code[codes[i]] * absmax;
+          ASSERT_EQ(bit_cast<std::uint32_t>(out[i]), bit_cast<std::uint32_t>(expected))
+              << "code " << int{codes[i]} << " at " << i << " of " << n << ", book of " << book->count
+              << ", absmax " << absmax << " (" << cpu_kernel_isa() << ")";
+        }
       }
     }
   }

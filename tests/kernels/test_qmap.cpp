@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace memsave::kernels {
@@ -113,6 +114,29 @@ TEST(Quantize, IsTheExactNearestAtEveryMidpointAndCode) {
         for (int k = 0; k < 3; ++k) y = std::nextafter(y, -2.0f);
         for (int k = 0; k < 7; ++k, y = std::nextafter(y, 2.0f)) expect_nearest(*book, y);
       }
+    }
+  }
+}
+
+TEST(CodeBook, ThresholdsAreWhereTheNearestCodeStepsUp) {
+  for (const CodeBook* book : all_books()) {
+    SCOPED_TRACE(std::string(book->is_signed ? "signed" : "unsigned") + " book of " +
+                 std::to_string(book->count));
+    const std::vector<std::uint32_t> thresholds = code_thresholds(*book);
+    const int lowest = brute_force(*book, 0.0f);
+    ASSERT_EQ(static_cast<int>(thresholds.size()), book->count - 1 - lowest);
+    const auto magnitude = [](std::uint32_t bits) {
+      float x;
+      std::memcpy(&x, &bits, sizeof(x));
+      return x;
+    };
+    for (std::size_t j = 0; j < thresholds.size(); ++j) {
+      ASSERT_GT(thresholds[j], 0u);
+      if (j > 0) {
+        ASSERT_GT(thresholds[j], thresholds[j - 1]);
+      }
+      EXPECT_EQ(brute_force(*book, magnitude(thresholds[j] - 1)), lowest + static_cast<int>(j));
+      EXPECT_EQ(brute_force(*book, magnitude(thresholds[j])), lowest + static_cast<int>(j) + 1);
     }
   }
 }
