@@ -76,16 +76,30 @@ void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std
   MEMSAVE_DISPATCH(step_quantized, step, block_begin, block_end);
 }
 
+namespace {
+
+/// The optimizers' books as they are kept; any other book is built into `scratch`.
+const VectorBook& vector_of(const CodeBook& book, VectorBook& scratch) {
+  for (const int bits : {4, 8}) {
+    if (&book == &signed_code_book(bits)) return vector_book(true, bits);
+    if (&book == &unsigned_code_book(bits)) return vector_book(false, bits);
+  }
+  scratch = make_vector_book(book);
+  return scratch;
+}
+
+}  // namespace
+
 void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,
                   std::int64_t n) {
-  const VectorBook vector = make_vector_book(book);
-  MEMSAVE_DISPATCH(quantize, vector, values, scale, codes, n);
+  VectorBook scratch;
+  MEMSAVE_DISPATCH(quantize, vector_of(book, scratch), values, scale, codes, n);
 }
 
 void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
                     std::int64_t n) {
-  const VectorBook vector = make_vector_book(book);
-  MEMSAVE_DISPATCH(dequantize, vector, codes, absmax, out, n);
+  VectorBook scratch;
+  MEMSAVE_DISPATCH(dequantize, vector_of(book, scratch), codes, absmax, out, n);
 }
 
 #undef MEMSAVE_DISPATCH

@@ -62,11 +62,11 @@ void step32_cpu(const Step32& step, std::int64_t begin, std::int64_t end);
 void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end);
 
 /// codes[i] = the nearest code of values[i] * scale, as qmap.h's `quantize` gives it, with the vector code of
-/// the step kernels (for tests that hold it to the scalar rule on any values).
+/// the step kernels (for tests that hold it to the scalar rule on any values, and for benchmarks).
 void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,
                   std::int64_t n);
 
-/// out[i] = book.code[codes[i]] * absmax, with the vector code of the step kernels (for tests, as above).
+/// out[i] = book.code[codes[i]] * absmax, with the vector code of the step kernels (tests, benchmarks).
 void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
                     std::int64_t n);
 

@@ -1,0 +1,146 @@
+// memsave's CPU optimizer kernels and their pieces on data that stays in cache (2^16 elements, one thread),
+// per element: the quantized AdamW step (8-bit state in blocks of 256, 4-bit in blocks of 128), the
+// fp32-state step, and the code-book look-ups alone, for each storage type of the parameters. The instruction
+// set is the one the kernels chose at start-up (MEMSAVE_CPU_ISA=avx512|avx2|baseline caps it);
+// bench/RESULTS-optim.md quotes it.
+#include "optim_cpu.h"
+#include "qmap.h"
+
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace k = memsave::kernels;
+
+constexpr std::int64_t kN = std::int64_t{1} << 16;
+
+const char* dtype_name(k::DType dtype) {
+  switch (dtype) {
+    case k::DType::kFloat32:
+      return "fp32";
+    case k::DType::kBFloat16:
+      return "bf16";
+    case k::DType::kFloat16:
+      return "fp16";
+  }
+  return "?";
+}
+
+/// Parameters and gradients of one storage type (fp32 values converted exactly as the kernels convert them).
+struct Tensors {
+  std::vector<float> p32, g32;
+  std::vector<std::uint16_t> p16, g16;
+  explicit Tensors(k::DType dtype) {
+    std::mt19937 rng(1);
+    std::normal_distribution<float> normal;
+    for (std::int64_t i = 0; i < kN; ++i) {
+      const float p = normal(rng), g = normal(rng) * 1e-2f;
+      if (dtype == k::DType::kFloat32) {
+        p32.push_back(p), g32.push_back(g);
+      } else if (dtype == k::DType::kBFloat16) {
+        p16.push_back(k::from_float<k::BFloat16>(p).bits), g16.push_back(k::from_float<k::BFloat16>(g).bits);
+      } else {
+        p16.push_back(k::from_float<k::Float16>(p).bits), g16.push_back(k::from_float<k::Float16>(g).bits);
+      }
+    }
+  }
+  void* param() { return p32.empty() ? static_cast<void*>(p16.data()) : p32.data(); }
+  const void* grad() const { return g32.empty() ? static_cast<const void*>(g16.data()) : g32.data(); }
+};
+
+void per_element(benchmark::State& state, const std::string& label) {
+  state.counters["per_element"] = benchmark::Counter(
+      static_cast<double>(kN), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+  state.SetLabel(label + " (" + k::cpu_kernel_isa() + ")");
+}
+
+const k::StepScalars kAdamW = k::make_step_scalars(k::Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0.01, 10);
+
+/// Args: bits of state (8 or 4), storage type.
+void BM_StepQuantized(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const auto dtype = static_cast<k::DType>(state.range(1));
+  Tensors t(dtype);
+  const std::int64_t block = bits == 8 ? 256 : 128;
+  std::vector<std::uint8_t> m(k::code_bytes(kN, bits), bits == 8 ? 127 : 0x77), v(k::code_bytes(kN, bits), 0);
+  std::vector<float> absmax_m(kN / block, 0.0f), absmax_v(kN / block, 0.0f);
+  k::StepQuantized step;
+  step.param = t.param();
+  step.grad = t.grad();
+  step.dtype = dtype;
+  step.m = m.data();
+  step.v = v.data();
+  step.absmax_m = absmax_m.data();
+  step.absmax_v = absmax_v.data();
+  step.numel = kN;
+  step.block_size = block;
+  step.rule = k::Rule::kAdamW;
+  step.scalars = kAdamW;
+  step.bits = bits;
+  for (int i = 0; i < 3; ++i) k::step_quantized_cpu(step, 0, kN / block);  // past the all-zero start
+  for (auto _ : state) {
+    k::step_quantized_cpu(step, 0, kN / block);
+    benchmark::ClobberMemory();
+  }
+  per_element(state, std::to_string(bits) + "-bit AdamW, " + dtype_name(dtype) + " parameters");
+}
+BENCHMARK(BM_StepQuantized)->ArgsProduct({{8, 4}, {0, 1, 2}});
+
+/// Arg: storage type.
+void BM_Step32(benchmark::State& state) {
+  const auto dtype = static_cast<k::DType>(state.range(0));
+  Tensors t(dtype);
+  std::vector<float> m(kN, 0.0f), v(kN, 0.0f);
+  const k::Step32 step{t.param(), t.grad(), dtype, m.data(), v.data(), kN, k::Rule::kAdamW, kAdamW, 1.0f};
+  for (auto _ : state) {
+    k::step32_cpu(step, 0, kN);
+    benchmark::ClobberMemory();
+  }
+  per_element(state, std::string("fp32-state AdamW, ") + dtype_name(dtype) + " parameters");
+}
+BENCHMARK(BM_Step32)->DenseRange(0, 2);
+
+/// Args: bits, signed book (1) or unsigned (0). Values as a block's moments are after scaling by its absmax.
+void BM_Quantize(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const bool is_signed = state.range(1) != 0;
+  const k::CodeBook& book = is_signed ? k::signed_code_book(bits) : k::unsigned_code_book(bits);
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  std::vector<float> values(kN);
+  for (float& x : values) x = std::fmin(1.0f, is_signed ? normal(rng) : std::fabs(normal(rng)));
+  std::vector<std::uint8_t> codes(kN);
+  for (auto _ : state) {
+    k::quantize_cpu(book, values.data(), 1.0f, codes.data(), kN);
+    benchmark::ClobberMemory();
+  }
+  per_element(state, std::to_string(bits) + "-bit " + (is_signed ? "signed" : "unsigned") + " book");
+}
+BENCHMARK(BM_Quantize)->ArgsProduct({{8, 4}, {1, 0}});
+
+/// Args: bits, signed book (1) or unsigned (0).
+void BM_Dequantize(benchmark::State& state) {
+  const int bits = static_cast<int>(state.range(0));
+  const bool is_signed = state.range(1) != 0;
+  const k::CodeBook& book = is_signed ? k::signed_code_book(bits) : k::unsigned_code_book(bits);
+  std::mt19937 rng(3);
+  std::vector<std::uint8_t> codes(kN);
+  for (std::uint8_t& c : codes) c = static_cast<std::uint8_t>(rng() % static_cast<unsigned>(book.count));
+  std::vector<float> values(kN);
+  for (auto _ : state) {
+    k::dequantize_cpu(book, codes.data(), 0.5f, values.data(), kN);
+    benchmark::ClobberMemory();
+  }
+  per_element(state, std::to_string(bits) + "-bit " + (is_signed ? "signed" : "unsigned") + " book");
+}
+BENCHMARK(BM_Dequantize)->ArgsProduct({{8, 4}, {1, 0}});
+
+}  // namespace
+
+BENCHMARK_MAIN();
