@@ -58,10 +58,12 @@ MEMSAVE_HD std::uint8_t quantize(const CodeBook& book, float x) {
   if (magnitude > kLutTopMagnitude) magnitude = kLutTopMagnitude;
   const std::int32_t cell = static_cast<std::int32_t>(magnitude >> 16) - kLutFirstCell;  // < 0: slot 0
   const std::uint32_t up = (book.cell[cell < 0 ? 0 : cell] + (magnitude & 0xffffu)) >> 16;
-  if ((bits >> 31) == 0u) return static_cast<std::uint8_t>(up);
-  if (book.is_signed == 0) return 0;
+  // A negative value takes the mirror code (beyond the lowest: the lowest), or 0 in an unsigned book.
+  // Selected without branches: signs are random in a block, and a mispredicted branch costs more than the
+  // search.
   const std::uint32_t mirror = static_cast<std::uint32_t>(book.mirror);
-  return static_cast<std::uint8_t>(up > mirror ? 0 : mirror - up);  // the mirror code; beyond the lowest: it
+  const std::uint32_t mirrored = book.is_signed != 0 && up <= mirror ? mirror - up : 0u;
+  return static_cast<std::uint8_t>((bits >> 31) == 0u ? up : mirrored);
 }
 
 MEMSAVE_HD float dequantize(const CodeBook& book, std::uint8_t code) { return book.code[code]; }
