@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
@@ -14,16 +15,23 @@
 
 namespace memsave::kernels::MEMSAVE_CPU_ISA {
 
+template <Rule R>
+void update_half(Float16* param, const Float16* grad, float* m, float* v, std::int64_t n, StepScalars k,
+                 float scale);
+
+/// The update of n elements: parameters and gradients of storage type T, moments in floats (v unused by rules
+/// without a second moment).
 template <typename T, Rule R>
-void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
-  T* __restrict param = static_cast<T*>(s.param);
-  const T* __restrict grad = static_cast<const T*>(s.grad);
-  float* __restrict m = s.m;
-  float* __restrict v = s.v;
-  const StepScalars k = s.scalars;
-  const float scale = s.grad_scale;
+inline void update_run(T* __restrict param, const T* __restrict grad, float* __restrict m,
+                       float* __restrict v, std::int64_t n, const StepScalars k, float scale) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, Float16>) {
+    update_half<R>(param, grad, m, v, n, k, scale);
+    return;
+  }
+#endif
   float unused_v = 0;
-  for (std::int64_t i = begin; i < end; ++i) {
+  for (std::int64_t i = 0; i < n; ++i) {
     float p = to_float(param[i]);
     float mi = m[i];
     float& vi = has_second_moment(R) ? v[i] : unused_v;
@@ -31,6 +39,96 @@ void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
     param[i] = from_float<T>(p);
     m[i] = mi;
   }
+}
+
+/// n half-precision values -> floats, exactly as dtypes.h's to_float (F16C's conversion, whose NaNs are
+/// quiet, with each NaN's bits put back as to_float gives them).
+inline void widen(const Float16* __restrict in, float* __restrict out, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i magnitude = _mm512_set1_epi32(0x7fff), infinity = _mm512_set1_epi32(0x7c00);
+  const __m512i sign = _mm512_set1_epi32(0x8000), mantissa = _mm512_set1_epi32(0x3ff);
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  for (; i + 16 <= n; i += 16) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i));
+    const __m512i h = _mm512_cvtepu16_epi32(half);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(h, magnitude), infinity);
+    const __m512i exact_nan =
+        _mm512_or_si512(_mm512_or_si512(_mm512_slli_epi32(_mm512_and_si512(h, sign), 16), exponent),
+                        _mm512_slli_epi32(_mm512_and_si512(h, mantissa), 13));
+    _mm512_storeu_ps(out + i, _mm512_mask_mov_ps(_mm512_cvtph_ps(half), nan, _mm512_castsi512_ps(exact_nan)));
+  }
+#elif defined(__AVX2__)
+  const __m256i magnitude = _mm256_set1_epi32(0x7fff), infinity = _mm256_set1_epi32(0x7c00);
+  const __m256i sign = _mm256_set1_epi32(0x8000), mantissa = _mm256_set1_epi32(0x3ff);
+  const __m256i exponent = _mm256_set1_epi32(0x7f800000);
+  for (; i + 8 <= n; i += 8) {
+    const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    const __m256i h = _mm256_cvtepu16_epi32(half);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(h, magnitude), infinity);
+    const __m256i exact_nan =
+        _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(h, sign), 16), exponent),
+                        _mm256_slli_epi32(_mm256_and_si256(h, mantissa), 13));
+    _mm256_storeu_ps(out + i, _mm256_blendv_ps(_mm256_cvtph_ps(half), _mm256_castsi256_ps(exact_nan),
+                                               _mm256_castsi256_ps(nan)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = to_float(in[i]);
+}
+
+/// n floats -> half precision, exactly as dtypes.h's from_float (F16C's conversion rounding to nearest even,
+/// with each NaN written as from_float writes it: its sign and 0x7e00).
+inline void narrow(const float* __restrict in, Float16* __restrict out, std::int64_t n) {
+  std::int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512i sign = _mm512_set1_epi32(0x8000), quiet_nan = _mm512_set1_epi32(0x7e00);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 x = _mm512_loadu_ps(in + i);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i exact_nan =
+        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16), sign), quiet_nan);
+    const __m256i half = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm256_mask_blend_epi16(nan, half, _mm512_cvtepi32_epi16(exact_nan)));
+  }
+#elif defined(__AVX2__)
+  const __m256i sign = _mm256_set1_epi32(0x8000), quiet_nan = _mm256_set1_epi32(0x7e00);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(in + i);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    const __m256i exact_nan =
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(_mm256_castps_si256(x), 16), sign), quiet_nan);
+    const __m128i half = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m128i nan16 = _mm_packs_epi32(_mm256_castsi256_si128(nan), _mm256_extracti128_si256(nan, 1));
+    const __m128i exact16 =
+        _mm_packus_epi32(_mm256_castsi256_si128(exact_nan), _mm256_extracti128_si256(exact_nan, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm_blendv_epi8(half, exact16, nan16));
+  }
+#endif
+  for (; i < n; ++i) out[i] = from_float<Float16>(in[i]);
+}
+
+/// Half-precision storage where the instruction set converts it (F16C): the compiler vectorizes dtypes.h's
+/// conversions of bf16 but not those of fp16, so the values go through float buffers converted as above.
+template <Rule R>
+void update_half(Float16* param, const Float16* grad, float* m, float* v, std::int64_t n, StepScalars k,
+                 float scale) {
+  constexpr std::int64_t kChunk = 256;
+  alignas(64) float p[kChunk];
+  alignas(64) float g[kChunk];
+  for (std::int64_t begin = 0; begin < n; begin += kChunk) {
+    const std::int64_t count = std::min(kChunk, n - begin);
+    widen(param + begin, p, count);
+    widen(grad + begin, g, count);
+    update_run<float, R>(p, g, m + begin, has_second_moment(R) ? v + begin : nullptr, count, k, scale);
+    narrow(p, param + begin, count);
+  }
+}
+
+template <typename T, Rule R>
+void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
+  update_run<T, R>(static_cast<T*>(s.param) + begin, static_cast<const T*>(s.grad) + begin, s.m + begin,
+                   has_second_moment(R) ? s.v + begin : nullptr, end - begin, s.scalars, s.grad_scale);
 }
 
 #if defined(__AVX512VBMI__)
@@ -267,12 +365,7 @@ inline void step_quantized_block(const StepQuantized& s, std::int64_t block, con
 
   dequantize_block<Bits>(sb, s.m, offset, s.absmax_m[block], m, n, w.codes);
   if constexpr (kSecond) dequantize_block<Bits>(ub, s.v, offset, s.absmax_v[block], v, n, w.codes);
-  for (std::int64_t i = 0; i < n; ++i) {
-    float p = to_float(param[i]);
-    float unused = 0;
-    update<R>(p, to_float(grad[i]) * scale, m[i], kSecond ? v[i] : unused, k);
-    param[i] = from_float<T>(p);
-  }
+  update_run<T, R>(param, grad, m, kSecond ? v : nullptr, n, k, scale);
   const float max_m = absmax_run(m, n);
   s.absmax_m[block] = max_m;
   quantize_block<Bits>(sb, m, block_scale(max_m), s.m, offset, n, w.codes);

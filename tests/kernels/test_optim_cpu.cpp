@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace memsave::kernels {
@@ -411,6 +412,95 @@ TEST(StepQuantized, VectorDequantizeIsTheTableLookUp) {
         }
       }
     }
+  }
+}
+
+/// Storage values of type T (bf16 or fp16 bits): mostly N(0, scale), and every special kind of value.
+template <typename T>
+std::vector<T> storage_values(std::int64_t n, float scale, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<T> out(n);
+  for (std::int64_t i = 0; i < n; ++i) out[i] = from_float<T>(normal(rng));
+  const bool half = std::is_same_v<T, Float16>;
+  const std::uint16_t specials[] = {0x0000,
+                                    0x8000,
+                                    0x0001,
+                                    0x8001,
+                                    0x03ff,
+                                    0x0400,  // zeros, subnormals
+                                    half ? std::uint16_t{0x7bff} : std::uint16_t{0x7f7f},   // largest finite
+                                    half ? std::uint16_t{0x7c00} : std::uint16_t{0x7f80},   // infinity
+                                    half ? std::uint16_t{0xfc00} : std::uint16_t{0xff80},   // -infinity
+                                    half ? std::uint16_t{0x7e01} : std::uint16_t{0x7fc1},   // quiet NaN
+                                    half ? std::uint16_t{0x7d01} : std::uint16_t{0x7f81}};  // signaling NaN
+  for (std::size_t k = 0; k < sizeof(specials) / sizeof(specials[0]); ++k) {
+    out[(k * 97 + seed) % n] = T{specials[k]};
+  }
+  return out;
+}
+
+/// A half-precision step (state of `bits`, 32 for fp32 state) against the fp32-storage step on the same
+/// values, which the other tests hold to the specification: the parameters must be those values rounded, the
+/// state the same bits.
+template <typename T, Rule R>
+void expect_storage_steps_as_floats(int bits) {
+  SCOPED_TRACE(std::string(std::is_same_v<T, Float16> ? "fp16" : "bf16") + ", rule " +
+               std::to_string(static_cast<int>(R)) + ", state bits " + std::to_string(bits));
+  const DType dtype = std::is_same_v<T, Float16> ? DType::kFloat16 : DType::kBFloat16;
+  constexpr std::int64_t n = 3 * 256 + 37;  // past a 256-element staging chunk, with tails
+  constexpr std::int64_t block = 128;
+  std::vector<T> p16 = storage_values<T>(n, 1.0f, 5);
+  std::vector<float> p32(n);
+  for (std::int64_t i = 0; i < n; ++i) p32[i] = to_float(p16[i]);
+  std::vector<float> m16(n, 0.0f), v16(n, 0.0f), m32(n, 0.0f), v32(n, 0.0f);
+  QuantizedState q16(n, block, bits == 32 ? 8 : bits), q32(n, block, bits == 32 ? 8 : bits);
+  for (int t = 1; t <= 3; ++t) {
+    const std::vector<T> g16 = storage_values<T>(n, 1e-2f, 10u + static_cast<unsigned>(t));
+    std::vector<float> g32(n);
+    for (std::int64_t i = 0; i < n; ++i) g32[i] = to_float(g16[i]);
+    const StepScalars k = make_step_scalars(R, 1e-3, 0.9, 0.999, 1e-8, 0.01, t);
+    if (bits == 32) {
+      step32_cpu(Step32{p16.data(), g16.data(), dtype, m16.data(), v16.data(), n, R, k, 0.5f}, 0, n);
+      step32_cpu(Step32{p32.data(), g32.data(), DType::kFloat32, m32.data(), v32.data(), n, R, k, 0.5f}, 0,
+                 n);
+      ASSERT_EQ(std::memcmp(m16.data(), m32.data(), n * sizeof(float)), 0) << "first moments, step " << t;
+      ASSERT_EQ(std::memcmp(v16.data(), v32.data(), n * sizeof(float)), 0) << "second moments, step " << t;
+    } else {
+      StepQuantized s16 = q16.step(nullptr, nullptr, n, block, R, k);
+      s16.param = p16.data();
+      s16.grad = g16.data();
+      s16.dtype = dtype;
+      const StepQuantized s32 = q32.step(p32.data(), g32.data(), n, block, R, k);
+      step_quantized_cpu(s16, 0, (n + block - 1) / block);
+      step_quantized_cpu(s32, 0, (n + block - 1) / block);
+      ASSERT_EQ(q16.m, q32.m) << "first-moment codes, step " << t;
+      ASSERT_EQ(q16.v, q32.v) << "second-moment codes, step " << t;
+      ASSERT_EQ(std::memcmp(q16.absmax_m.data(), q32.absmax_m.data(), q16.absmax_m.size() * sizeof(float)),
+                0);
+      ASSERT_EQ(std::memcmp(q16.absmax_v.data(), q32.absmax_v.data(), q16.absmax_v.size() * sizeof(float)),
+                0);
+    }
+    for (std::int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(p16[i].bits, from_float<T>(p32[i]).bits)
+          << "parameter " << i << " at step " << t << " (" << cpu_kernel_isa() << ")";
+      p32[i] = to_float(p16[i]);  // both runs go on from the stored value
+    }
+  }
+}
+
+template <typename T>
+void expect_storage_steps_as_floats_for_every_rule(int bits) {
+  expect_storage_steps_as_floats<T, Rule::kAdamW>(bits);
+  expect_storage_steps_as_floats<T, Rule::kAdam>(bits);
+  expect_storage_steps_as_floats<T, Rule::kLion>(bits);
+  expect_storage_steps_as_floats<T, Rule::kSgd>(bits);
+}
+
+TEST(StepKernels, HalfAndBFloat16StorageStepsAsItsFloatValues) {
+  for (const int bits : {32, 8, 4}) {
+    expect_storage_steps_as_floats_for_every_rule<Float16>(bits);
+    expect_storage_steps_as_floats_for_every_rule<BFloat16>(bits);
   }
 }
 
