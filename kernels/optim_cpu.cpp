@@ -36,10 +36,11 @@ Isa detect() {
   Isa best = Isa::kBaseline;
 #if defined(__x86_64__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("fma") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512dq")) {
+  // Every level above the baseline is also built with FMA and F16C, so it needs them too.
+  const bool fma_f16c = __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  if (fma_f16c && __builtin_cpu_supports("avx2")) best = Isa::kAvx2;
+  if (fma_f16c && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
     best = __builtin_cpu_supports("avx512vbmi") ? Isa::kAvx512Vbmi : Isa::kAvx512;
   }
 #endif
