@@ -1,8 +1,9 @@
 // memsave's CPU optimizer kernels and their pieces on data that stays in cache (2^16 elements, one thread),
 // per element: the quantized AdamW step (8-bit state in blocks of 256, 4-bit in blocks of 128), the
-// fp32-state step, and the code-book look-ups alone, for each storage type of the parameters. The instruction
-// set is the one the kernels chose at start-up (MEMSAVE_CPU_ISA=avx512|avx2|baseline caps it);
-// bench/RESULTS-optim.md quotes it.
+// fp32-state step, and the code-book look-ups alone, for each storage type of the parameters; and the
+// quantized steps of fp32 parameters on 2^24 elements, which stream from memory (a look-up that wins in cache
+// can lose there). The instruction set is the one the kernels chose at start-up
+// (MEMSAVE_CPU_ISA=avx512|avx2|baseline caps it); bench/RESULTS-optim.md quotes it.
 #include "optim_cpu.h"
 #include "qmap.h"
 
@@ -36,10 +37,10 @@ const char* dtype_name(k::DType dtype) {
 struct Tensors {
   std::vector<float> p32, g32;
   std::vector<std::uint16_t> p16, g16;
-  explicit Tensors(k::DType dtype) {
+  Tensors(k::DType dtype, std::int64_t n) {
     std::mt19937 rng(1);
     std::normal_distribution<float> normal;
-    for (std::int64_t i = 0; i < kN; ++i) {
+    for (std::int64_t i = 0; i < n; ++i) {
       const float p = normal(rng), g = normal(rng) * 1e-2f;
       if (dtype == k::DType::kFloat32) {
         p32.push_back(p), g32.push_back(g);
@@ -54,22 +55,23 @@ struct Tensors {
   const void* grad() const { return g32.empty() ? static_cast<const void*>(g16.data()) : g32.data(); }
 };
 
-void per_element(benchmark::State& state, const std::string& label) {
+void per_element(benchmark::State& state, const std::string& label, std::int64_t n = kN) {
   state.counters["per_element"] = benchmark::Counter(
-      static_cast<double>(kN), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
+      static_cast<double>(n), benchmark::Counter::kIsIterationInvariantRate | benchmark::Counter::kInvert);
   state.SetLabel(label + " (" + k::cpu_kernel_isa() + ")");
 }
 
 const k::StepScalars kAdamW = k::make_step_scalars(k::Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0.01, 10);
 
-/// Args: bits of state (8 or 4), storage type.
+/// Args: bits of state (8 or 4), storage type, log2 of the elements.
 void BM_StepQuantized(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
   const auto dtype = static_cast<k::DType>(state.range(1));
-  Tensors t(dtype);
+  const std::int64_t n = std::int64_t{1} << state.range(2);
+  Tensors t(dtype, n);
   const std::int64_t block = bits == 8 ? 256 : 128;
-  std::vector<std::uint8_t> m(k::code_bytes(kN, bits), bits == 8 ? 127 : 0x77), v(k::code_bytes(kN, bits), 0);
-  std::vector<float> absmax_m(kN / block, 0.0f), absmax_v(kN / block, 0.0f);
+  std::vector<std::uint8_t> m(k::code_bytes(n, bits), bits == 8 ? 127 : 0x77), v(k::code_bytes(n, bits), 0);
+  std::vector<float> absmax_m(n / block, 0.0f), absmax_v(n / block, 0.0f);
   k::StepQuantized step;
   step.param = t.param();
   step.grad = t.grad();
@@ -78,24 +80,27 @@ void BM_StepQuantized(benchmark::State& state) {
   step.v = v.data();
   step.absmax_m = absmax_m.data();
   step.absmax_v = absmax_v.data();
-  step.numel = kN;
+  step.numel = n;
   step.block_size = block;
   step.rule = k::Rule::kAdamW;
   step.scalars = kAdamW;
   step.bits = bits;
-  for (int i = 0; i < 3; ++i) k::step_quantized_cpu(step, 0, kN / block);  // past the all-zero start
+  for (int i = 0; i < 3; ++i) k::step_quantized_cpu(step, 0, n / block);  // past the all-zero start
   for (auto _ : state) {
-    k::step_quantized_cpu(step, 0, kN / block);
+    k::step_quantized_cpu(step, 0, n / block);
     benchmark::ClobberMemory();
   }
-  per_element(state, std::to_string(bits) + "-bit AdamW, " + dtype_name(dtype) + " parameters");
+  per_element(state,
+              std::to_string(bits) + "-bit AdamW, " + dtype_name(dtype) + " parameters, 2^" +
+                  std::to_string(state.range(2)) + " elements",
+              n);
 }
-BENCHMARK(BM_StepQuantized)->ArgsProduct({{8, 4}, {0, 1, 2}});
+BENCHMARK(BM_StepQuantized)->ArgsProduct({{8, 4}, {0, 1, 2}, {16}})->Args({8, 0, 24})->Args({4, 0, 24});
 
 /// Arg: storage type.
 void BM_Step32(benchmark::State& state) {
   const auto dtype = static_cast<k::DType>(state.range(0));
-  Tensors t(dtype);
+  Tensors t(dtype, kN);
   std::vector<float> m(kN, 0.0f), v(kN, 0.0f);
   const k::Step32 step{t.param(), t.grad(), dtype, m.data(), v.data(), kN, k::Rule::kAdamW, kAdamW, 1.0f};
   for (auto _ : state) {

@@ -43,9 +43,9 @@ struct StepQuantized {
 };
 
 /// A book as the vector kernels look it up. 8-bit books: the 256 codes' bytes as four planes, which AVX-512
-/// VBMI's byte permutes read 64 codes at a time from 16 registers (instead of a 16-lane gather per 16 codes).
+/// VBMI's byte permutes read 64 codes at a time from 16 registers (instead of a load per code).
 /// 16-code books: the magnitudes at which the code steps up (qmap.h's code_thresholds), for a binary search
-/// in one register (instead of a gather from the cell table).
+/// in one AVX-512 register (instead of a gather from the cell table).
 struct VectorBook {
   const CodeBook* book = nullptr;
   alignas(64) std::uint8_t plane[4][kCodes] = {};  ///< plane[k][c]: bits 8k..8k+7 of code[c]

@@ -178,9 +178,15 @@ inline void dequantize_run(const VectorBook& vb, const std::uint8_t* __restrict 
       _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_permutexvar_ps(index, table), scale));
     }
   }
-  for (; i + 16 <= n; i += 16) {
-    const __m512i index = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_i32gather_ps(index, book.code, 4), scale));
+  {  // scalar loads: faster than a gather where measured (bench/RESULTS-optim.md)
+    const float* c = book.code;
+    for (; i + 16 <= n; i += 16) {
+      const std::uint8_t* b = codes + i;
+      const __m512 value =
+          _mm512_setr_ps(c[b[0]], c[b[1]], c[b[2]], c[b[3]], c[b[4]], c[b[5]], c[b[6]], c[b[7]], c[b[8]],
+                         c[b[9]], c[b[10]], c[b[11]], c[b[12]], c[b[13]], c[b[14]], c[b[15]]);
+      _mm512_storeu_ps(out + i, _mm512_mul_ps(value, scale));
+    }
   }
 #elif defined(__AVX2__)
   const __m256 scale = _mm256_set1_ps(absmax);
@@ -195,9 +201,14 @@ inline void dequantize_run(const VectorBook& vb, const std::uint8_t* __restrict 
       _mm256_storeu_ps(out + i, _mm256_mul_ps(value, scale));
     }
   }
-  for (; i + 8 <= n; i += 8) {
-    const __m256i index = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i)));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_i32gather_ps(book.code, index, 4), scale));
+  {  // scalar loads: faster than a gather where measured (bench/RESULTS-optim.md)
+    const float* c = book.code;
+    for (; i + 8 <= n; i += 8) {
+      const std::uint8_t* b = codes + i;
+      const __m256 value =
+          _mm256_setr_ps(c[b[0]], c[b[1]], c[b[2]], c[b[3]], c[b[4]], c[b[5]], c[b[6]], c[b[7]]);
+      _mm256_storeu_ps(out + i, _mm256_mul_ps(value, scale));
+    }
   }
 #endif
   for (; i < n; ++i) out[i] = dequantize(book, codes[i]) * absmax;
@@ -208,9 +219,6 @@ inline void quantize_run(const VectorBook& vb, const float* __restrict values, f
                          std::uint8_t* __restrict codes, std::int64_t n) {
   const CodeBook& book = *vb.book;
   std::int64_t i = 0;
-#if defined(__AVX512F__) || defined(__AVX2__)
-  const int* table = reinterpret_cast<const int*>(book.cell);
-#endif
 #if defined(__AVX512F__)
   const __m512 factor = _mm512_set1_ps(scale);
   const __m512i magnitude_bits = _mm512_set1_epi32(0x7fffffff), low_bits = _mm512_set1_epi32(0xffff);
@@ -241,6 +249,9 @@ inline void quantize_run(const VectorBook& vb, const float* __restrict values, f
                        _mm512_cvtepi32_epi8(signed_code(_mm512_add_epi32(lowest, steps), bits)));
     }
   }
+  // A 16-lane gather from the cell table: unlike AVX2's 8-lane one, it beat scalar loads on the 2^24-element
+  // step (bench/RESULTS-optim.md), though not on values in cache.
+  const int* table = reinterpret_cast<const int*>(book.cell);
   for (; i + 16 <= n; i += 16) {
     const __m512i bits = _mm512_castps_si512(_mm512_mul_ps(_mm512_loadu_ps(values + i), factor));
     const __m512i magnitude = _mm512_min_epu32(_mm512_and_si512(bits, magnitude_bits), top);
@@ -255,17 +266,37 @@ inline void quantize_run(const VectorBook& vb, const float* __restrict values, f
   const __m256i top = _mm256_set1_epi32(static_cast<int>(kLutTopMagnitude));
   const __m256i first = _mm256_set1_epi32(kLutFirstCell), zero = _mm256_setzero_si256();
   const __m256i mirror = _mm256_set1_epi32(book.mirror);
-  for (; i + 8 <= n; i += 8) {
-    const __m256i bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(values + i), factor));
-    const __m256i magnitude = _mm256_min_epu32(_mm256_and_si256(bits, magnitude_bits), top);
-    const __m256i cell = _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(magnitude, 16), first), zero);
-    const __m256i entry = _mm256_i32gather_epi32(table, cell, 4);
-    __m256i code = _mm256_srli_epi32(_mm256_add_epi32(entry, _mm256_and_si256(magnitude, low_bits)), 16);
-    const __m256i negative = _mm256_srai_epi32(bits, 31);
-    const __m256i mirrored = book.is_signed ? _mm256_max_epi32(_mm256_sub_epi32(mirror, code), zero) : zero;
-    code = _mm256_blendv_epi8(code, mirrored, negative);
-    const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i), _mm_packus_epi16(words, words));
+  // The table's cells in vector code, its entries by scalar loads, the codes in vector code, 256 values at a
+  // time (the 8-lane gather was slower, and so was assembling each vector's entries from scalar loads with
+  // inserts: bench/RESULTS-optim.md).
+  const auto magnitude_of = [&](std::int64_t at, __m256i& bits) {
+    bits = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(values + at), factor));
+    return _mm256_min_epu32(_mm256_and_si256(bits, magnitude_bits), top);
+  };
+  constexpr std::int64_t kChunk = 256;
+  alignas(32) std::uint32_t entry[kChunk];
+  while (i + 8 <= n) {
+    const std::int64_t count = std::min(kChunk, (n - i) / 8 * 8);
+    for (std::int64_t j = 0; j < count; j += 8) {
+      __m256i bits;
+      const __m256i magnitude = magnitude_of(i + j, bits);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(entry + j),
+                         _mm256_max_epi32(_mm256_sub_epi32(_mm256_srli_epi32(magnitude, 16), first), zero));
+    }
+    for (std::int64_t j = 0; j < count; ++j) entry[j] = book.cell[entry[j]];
+    for (std::int64_t j = 0; j < count; j += 8) {
+      __m256i bits;
+      const __m256i magnitude = magnitude_of(i + j, bits);
+      const __m256i cell_entry = _mm256_load_si256(reinterpret_cast<const __m256i*>(entry + j));
+      __m256i code =
+          _mm256_srli_epi32(_mm256_add_epi32(cell_entry, _mm256_and_si256(magnitude, low_bits)), 16);
+      const __m256i negative = _mm256_srai_epi32(bits, 31);
+      const __m256i mirrored = book.is_signed ? _mm256_max_epi32(_mm256_sub_epi32(mirror, code), zero) : zero;
+      code = _mm256_blendv_epi8(code, mirrored, negative);
+      const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i + j), _mm_packus_epi16(words, words));
+    }
+    i += count;
   }
 #endif
   for (; i < n; ++i) codes[i] = quantize(book, values[i] * scale);
