@@ -1,7 +1,7 @@
 #include "optim_cpu.h"
 
 #include <cstdlib>
-#include <cstring>
+#include <string>
 
 namespace memsave::kernels {
 
@@ -26,13 +26,30 @@ namespace {
 
 enum class Isa { kBaseline, kAvx2, kAvx512, kAvx512Vbmi };
 
-/// The best the processor has, capped by MEMSAVE_CPU_ISA=baseline|avx2|avx512 (for tests and comparisons).
+/// MEMSAVE_CPU_ISA as it was at start-up ("" when unset).
+const std::string kRequest = [] {
+  const char* value = std::getenv("MEMSAVE_CPU_ISA");
+  return std::string(value != nullptr ? value : "");
+}();
+
+/// The level kRequest names; false when it names none (an empty request names the highest).
+bool requested_cap(Isa& cap) {
+  static const char* const kNames[] = {"baseline", "avx2", "avx512", "avx512vbmi"};
+  cap = Isa::kAvx512Vbmi;
+  if (kRequest.empty()) return true;
+  for (int level = 0; level < 4; ++level) {
+    if (kRequest == kNames[level]) {
+      cap = static_cast<Isa>(level);
+      return true;
+    }
+  }
+  return false;
+}
+
+/// The best the processor has, capped by MEMSAVE_CPU_ISA (for tests and comparisons).
 Isa detect() {
-  const char* cap_name = std::getenv("MEMSAVE_CPU_ISA");
-  Isa cap = Isa::kAvx512Vbmi;
-  if (cap_name != nullptr && std::strcmp(cap_name, "baseline") == 0) cap = Isa::kBaseline;
-  if (cap_name != nullptr && std::strcmp(cap_name, "avx2") == 0) cap = Isa::kAvx2;
-  if (cap_name != nullptr && std::strcmp(cap_name, "avx512") == 0) cap = Isa::kAvx512;
+  Isa cap;
+  requested_cap(cap);
   Isa best = Isa::kBaseline;
 #if defined(__x86_64__)
   __builtin_cpu_init();
@@ -127,6 +144,11 @@ const VectorBook& vector_book(bool is_signed, int bits) {
       {make_vector_book(unsigned_code_book(4)), make_vector_book(unsigned_code_book(8))},
       {make_vector_book(signed_code_book(4)), make_vector_book(signed_code_book(8))}};
   return books[is_signed ? 1 : 0][bits == 4 ? 0 : 1];
+}
+
+const char* unknown_cpu_isa_request() {
+  Isa cap;
+  return requested_cap(cap) ? nullptr : kRequest.c_str();
 }
 
 const char* cpu_kernel_isa() {

@@ -70,8 +70,12 @@ void quantize_cpu(const CodeBook& book, const float* values, float scale, std::u
 void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
                     std::int64_t n);
 
-/// The instruction set the CPU kernels run with here: "avx512vbmi", "avx512", "avx2" or "baseline"
-/// (MEMSAVE_CPU_ISA=avx512|avx2|baseline caps it).
+/// The instruction set the CPU kernels run with here: "avx512vbmi", "avx512", "avx2" or "baseline", the best
+/// the processor has, capped by the level that MEMSAVE_CPU_ISA names at start-up (unset or empty: no cap).
 const char* cpu_kernel_isa();
+
+/// MEMSAVE_CPU_ISA's value when it names none of the levels above (the kernels then run uncapped; the
+/// optimizers refuse to start), else nullptr.
+const char* unknown_cpu_isa_request();
 
 }  // namespace memsave::kernels

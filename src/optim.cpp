@@ -226,6 +226,12 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
                                  std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind,
                                  int bits)
     : Optimizer(groups, std::move(defaults)), kind_(kind), bits_(bits) {
+  // A misspelt cap would otherwise run the best level without a word (the kernels read it at start-up).
+  const char* unknown_isa = k::unknown_cpu_isa_request();
+  TORCH_CHECK(unknown_isa == nullptr, kind_name(static_cast<int32_t>(kind_), bits_),
+              ": MEMSAVE_CPU_ISA=", unknown_isa,
+              " names none of the CPU kernels' instruction sets: avx512vbmi, avx512, avx2, baseline",
+              " (unset or empty: the best the processor has)");
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {
       TORCH_CHECK(p.is_floating_point() && !p.is_complex(), kind_name(static_cast<int32_t>(kind_), bits_),

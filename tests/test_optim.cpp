@@ -1,4 +1,5 @@
 #include <memsave/memory.h>
+#include <memsave/offload.h>
 #include <memsave/optim.h>
 
 #include "kernels/golden.h"
@@ -8,6 +9,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -430,6 +432,33 @@ TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kLong)}); }).find("Long"), std::string::npos);
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kComplexFloat)}); }).find("ComplexFloat"),
             std::string::npos);
+}
+
+// Also run with MEMSAVE_CPU_ISA=avx-2 (tests/CMakeLists.txt, ".unknown"): every optimizer then refuses to
+// start, naming the value, instead of running the best level as if nothing had been asked.
+TEST(BadInput, AMisspeltMemsaveCpuIsaIsRefused) {
+  const char* value = std::getenv("MEMSAVE_CPU_ISA");
+  const std::string request = value != nullptr ? value : "";
+  const bool known = request.empty() || request == "baseline" || request == "avx2" || request == "avx512" ||
+                     request == "avx512vbmi";
+  auto p = torch::randn({10}).requires_grad_();
+  using V = std::vector<torch::Tensor>;
+  const std::vector<std::function<void()>> constructors = {
+      [&] { Adam8bit(V{p}, Adam8bitOptions()); },
+      [&] { AdamW8bit(V{p}, AdamW8bitOptions()); },
+      [&] { Lion8bit(V{p}, Lion8bitOptions()); },
+      [&] { SGD8bit(V{p}, SGD8bitOptions(0.1).momentum(0.9)); },
+      [&] { Adam4bit(V{p}, Adam4bitOptions()); },
+      [&] { AdamW4bit(V{p}, AdamW4bitOptions()); },
+      [&] { memsave::OffloadOptimizer(V{p}, memsave::OffloadOptimizerOptions()); }};
+  for (const auto& construct : constructors) {
+    if (known) {
+      EXPECT_NO_THROW(construct()) << request;
+    } else {
+      EXPECT_NE(message(construct).find("MEMSAVE_CPU_ISA=" + request + " names none"), std::string::npos)
+          << message(construct);
+    }
+  }
 }
 
 TEST(BadInput, AStepThatCannotRunChangesNothing) {

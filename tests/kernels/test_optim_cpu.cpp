@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -554,6 +555,52 @@ TEST(Conversions, HalfAndBFloat16RoundToNearestEven) {
     const std::uint32_t expected = (du < dd || (du == dd && ((down >> 16) & 1u))) ? up : down;
     ASSERT_EQ(from_float<BFloat16>(x).bits, static_cast<std::uint16_t>(expected >> 16)) << std::hexfloat << x;
   }
+}
+
+/// 0..3 for the levels baseline, avx2, avx512, avx512vbmi; -1 for any other name.
+int level_index(const std::string& name) {
+  const char* const names[] = {"baseline", "avx2", "avx512", "avx512vbmi"};
+  for (int level = 0; level < 4; ++level) {
+    if (name == names[level]) return level;
+  }
+  return -1;
+}
+
+/// Whether the processor reports what a level's kernels are built with (its own report, not the kernels'
+/// detection).
+bool processor_has(int level) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  const bool has[] = {true, avx2, avx512, avx512 && __builtin_cpu_supports("avx512vbmi")};
+  return has[level];
+#else
+  return level == 0;
+#endif
+}
+
+// Runs also under each MEMSAVE_CPU_ISA of tests/kernels/CMakeLists.txt (".avx2", ...), so the Step tests
+// there do run the level their name says, and under a misspelt one (".unknown").
+TEST(StepKernels, RunTheLevelThatMemsaveCpuIsaNames) {
+  const char* value = std::getenv("MEMSAVE_CPU_ISA");
+  const std::string request = value != nullptr ? value : "";
+  const int running = level_index(cpu_kernel_isa());
+  ASSERT_GE(running, 0) << cpu_kernel_isa();
+  EXPECT_TRUE(processor_has(running)) << cpu_kernel_isa();
+  const int asked = request.empty() ? 3 : level_index(request);
+  if (asked < 0) {  // a name of no level: refused by the optimizers, and no cap
+    ASSERT_NE(unknown_cpu_isa_request(), nullptr);
+    EXPECT_EQ(std::string(unknown_cpu_isa_request()), request);
+  } else {
+    EXPECT_EQ(unknown_cpu_isa_request(), nullptr);
+  }
+  // The highest level the processor has, at most the one asked for.
+  int expected = asked < 0 ? 3 : asked;
+  while (!processor_has(expected)) --expected;
+  EXPECT_EQ(running, expected) << "runs " << cpu_kernel_isa() << " for MEMSAVE_CPU_ISA=\"" << request << "\"";
 }
 
 }  // namespace
