@@ -26,19 +26,23 @@ namespace {
 
 enum class Isa { kBaseline, kAvx2, kAvx512, kAvx512Vbmi };
 
-/// MEMSAVE_CPU_ISA as it was at start-up ("" when unset).
-const std::string kRequest = [] {
-  const char* value = std::getenv("MEMSAVE_CPU_ISA");
-  return std::string(value != nullptr ? value : "");
-}();
+/// MEMSAVE_CPU_ISA as it was at start-up ("" when unset); a function's static, so that it is read before the
+/// first use whatever the order of static initialization.
+const std::string& request() {
+  static const std::string value = [] {
+    const char* v = std::getenv("MEMSAVE_CPU_ISA");
+    return std::string(v != nullptr ? v : "");
+  }();
+  return value;
+}
 
-/// The level kRequest names; false when it names none (an empty request names the highest).
+/// The level request() names; false when it names none (an empty request names the highest).
 bool requested_cap(Isa& cap) {
   static const char* const kNames[] = {"baseline", "avx2", "avx512", "avx512vbmi"};
   cap = Isa::kAvx512Vbmi;
-  if (kRequest.empty()) return true;
+  if (request().empty()) return true;
   for (int level = 0; level < 4; ++level) {
-    if (kRequest == kNames[level]) {
+    if (request() == kNames[level]) {
       cap = static_cast<Isa>(level);
       return true;
     }
@@ -148,7 +152,7 @@ const VectorBook& vector_book(bool is_signed, int bits) {
 
 const char* unknown_cpu_isa_request() {
   Isa cap;
-  return requested_cap(cap) ? nullptr : kRequest.c_str();
+  return requested_cap(cap) ? nullptr : request().c_str();
 }
 
 const char* cpu_kernel_isa() {
