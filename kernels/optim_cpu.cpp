@@ -1,6 +1,7 @@
 #include "optim_cpu.h"
 
 #include <cstdlib>
+#include <optional>
 #include <string>
 
 namespace memsave::kernels {
@@ -25,6 +26,8 @@ MEMSAVE_DECLARE_ISA(avx512vbmi)
 namespace {
 
 enum class Isa { kBaseline, kAvx2, kAvx512, kAvx512Vbmi };
+/// Their names, in Isa's order: what cpu_kernel_isa() says and MEMSAVE_CPU_ISA takes.
+constexpr const char* kIsaNames[] = {"baseline", "avx2", "avx512", "avx512vbmi"};
 
 /// MEMSAVE_CPU_ISA as it was at start-up ("" when unset); a function's static, so that it is read before the
 /// first use whatever the order of static initialization.
@@ -36,24 +39,18 @@ const std::string& request() {
   return value;
 }
 
-/// The level request() names; false when it names none (an empty request names the highest).
-bool requested_cap(Isa& cap) {
-  static const char* const kNames[] = {"baseline", "avx2", "avx512", "avx512vbmi"};
-  cap = Isa::kAvx512Vbmi;
-  if (request().empty()) return true;
+/// The level request() names (an empty request names the highest); nothing when it names none.
+std::optional<Isa> requested_cap() {
+  if (request().empty()) return Isa::kAvx512Vbmi;
   for (int level = 0; level < 4; ++level) {
-    if (request() == kNames[level]) {
-      cap = static_cast<Isa>(level);
-      return true;
-    }
+    if (request() == kIsaNames[level]) return static_cast<Isa>(level);
   }
-  return false;
+  return std::nullopt;
 }
 
 /// The best the processor has, capped by MEMSAVE_CPU_ISA (for tests and comparisons).
 Isa detect() {
-  Isa cap;
-  requested_cap(cap);
+  const Isa cap = requested_cap().value_or(Isa::kAvx512Vbmi);
   Isa best = Isa::kBaseline;
 #if defined(__x86_64__)
   __builtin_cpu_init();
@@ -150,23 +147,8 @@ const VectorBook& vector_book(bool is_signed, int bits) {
   return books[is_signed ? 1 : 0][bits == 4 ? 0 : 1];
 }
 
-const char* unknown_cpu_isa_request() {
-  Isa cap;
-  return requested_cap(cap) ? nullptr : request().c_str();
-}
+const char* unknown_cpu_isa_request() { return requested_cap() ? nullptr : request().c_str(); }
 
-const char* cpu_kernel_isa() {
-  switch (kIsa) {
-    case Isa::kAvx512Vbmi:
-      return "avx512vbmi";
-    case Isa::kAvx512:
-      return "avx512";
-    case Isa::kAvx2:
-      return "avx2";
-    case Isa::kBaseline:
-      break;
-  }
-  return "baseline";
-}
+const char* cpu_kernel_isa() { return kIsaNames[static_cast<int>(kIsa)]; }
 
 }  // namespace memsave::kernels
