@@ -1,16 +1,23 @@
 #include "memsave/trainer.h"
 
+#include "archive.h"
 #include "memsave/memory.h"
 #include "memsave/offload.h"
 #include "memsave/optim.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/Type.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <limits>
+#include <optional>
 #include <sstream>
+#include <type_traits>
+#include <typeinfo>
+#include <utility>
 
 namespace memsave {
 namespace {
@@ -189,6 +196,7 @@ void Trainer::apply(const torch::nn::Sequential& model) {
   const auto parameters = model->parameters();
   TORCH_CHECK(!parameters.empty(), "Trainer: the model has no parameters");
   device_ = parameters.front().device();
+  model_ = model;
   for (const auto& p : parameters)
     TORCH_CHECK(p.device() == device_, "Trainer: the model's parameters are on several devices (", device_,
                 " and ", p.device(), ")");
@@ -285,6 +293,179 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats.peak_bytes = scope.peak();
   return stats;
+}
+
+namespace {
+
+/// The version of what Trainer::save writes.
+constexpr int64_t kTrainerFileVersion = 1;
+
+/// A model's tensor read from a file, and where it goes.
+struct ReadTensor {
+  torch::Tensor into;
+  torch::Tensor value;
+  std::string name;
+};
+
+/// Reads the parameters and buffers of `module` and its children from `archive`, laid out as
+/// torch::nn::Module::save writes them, into `out`, checking that each is there with its shape and dtype.
+/// Changes nothing.
+void read_module(const torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                 const std::string& prefix, std::vector<ReadTensor>& out) {
+  const auto read = [&](const std::string& key, const torch::Tensor& into, bool is_buffer) {
+    const std::string name = prefix + key;
+    torch::Tensor value;
+    TORCH_CHECK(archive.try_read(key, value, is_buffer), "Trainer::load: the file has no ",
+                is_buffer ? "buffer " : "parameter ", name);
+    TORCH_CHECK(value.sizes() == into.sizes() && value.scalar_type() == into.scalar_type(),
+                "Trainer::load: ", name, " is ", value.scalar_type(), " ", value.sizes(), " in the file, ",
+                into.scalar_type(), " ", into.sizes(), " in the model");
+    out.push_back({into, value, name});
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) read(p.key(), p.value(), false);
+  for (const auto& b : module.named_buffers(/*recurse=*/false)) read(b.key(), b.value(), true);
+  for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;  // Module::save skips it too
+    torch::serialize::InputArchive inner;
+    TORCH_CHECK(archive.try_read(child.key(), inner), "Trainer::load: the file has no module ", prefix,
+                child.key());
+    read_module(*child.value(), inner, prefix + child.key() + ".", out);
+  }
+}
+
+/// The state of a torch::optim::Optimizer (its groups' options and per-parameter state), put back when a
+/// load fails: LibTorch's optimizers may fail half-way through theirs. The copies share the tensors, which a
+/// load replaces and never writes into.
+class OptimizerSnapshot {
+ public:
+  explicit OptimizerSnapshot(torch::optim::Optimizer& optimizer) : optimizer_(optimizer) {
+    for (const auto& group : optimizer.param_groups()) options_.push_back(group.options().clone());
+    for (const auto& [key, state] : optimizer.state()) state_[key] = state->clone();
+  }
+  void restore() {
+    for (size_t g = 0; g < options_.size(); ++g)
+      optimizer_.param_groups()[g].set_options(std::move(options_[g]));
+    optimizer_.state() = std::move(state_);
+  }
+
+ private:
+  torch::optim::Optimizer& optimizer_;
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options_;
+  std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())> state_;
+};
+
+const char* offload_name(bool offloads) { return offloads ? "offloads" : "does not offload"; }
+
+std::string type_name(const torch::optim::Optimizer& optimizer) {
+  return c10::demangle(typeid(optimizer).name());
+}
+
+}  // namespace
+
+void Trainer::save(torch::serialize::OutputArchive& archive) const {
+  archive.write("memsave_trainer", kTrainerFileVersion);
+  archive.write("state_bits", recipe_.state_bits());
+  archive.write("offload", recipe_.offload() == Offload::kOptimizerState);
+  archive.write("grad_scaling", scaler_.has_value());
+  archive.write("optimizer_type", type_name(*optimizer_));
+  torch::serialize::OutputArchive model(archive.compilation_unit());
+  model_->save(model);
+  archive.write("model", model);
+  torch::serialize::OutputArchive optimizer(archive.compilation_unit());
+  optimizer_->save(optimizer);
+  archive.write("optimizer", optimizer);
+  if (scaler_) {
+    torch::serialize::OutputArchive scaler(archive.compilation_unit());
+    scaler_->serialize(scaler);
+    archive.write("scaler", scaler);
+  }
+}
+
+void Trainer::save(const std::string& path) const {
+  torch::serialize::OutputArchive archive;
+  save(archive);
+  const std::string partial = path + ".partial";
+  try {
+    archive.save_to(partial);
+  } catch (const c10::Error& e) {
+    std::remove(partial.c_str());
+    TORCH_CHECK(false, "Trainer::save: cannot write ", partial, ": ", e.msg());
+  }
+  if (std::rename(partial.c_str(), path.c_str()) != 0) {
+    std::remove(partial.c_str());
+    TORCH_CHECK(false, "Trainer::save: cannot rename ", partial, " to ", path);
+  }
+}
+
+void Trainer::load(torch::serialize::InputArchive& archive) {
+  // Everything is read and checked before anything changes; the optimizer's own load is the last thing that
+  // can fail, and a failed one is undone.
+  c10::IValue version;
+  TORCH_CHECK(archive.try_read("memsave_trainer", version) && version.isInt(),
+              "Trainer::load: the file is not one that Trainer::save wrote");
+  TORCH_CHECK(version.toInt() == kTrainerFileVersion, "Trainer::load: file version ", version.toInt(),
+              ", this build reads version ", kTrainerFileVersion);
+  const int64_t bits = detail::read_int(archive, "state_bits");
+  TORCH_CHECK(bits == recipe_.state_bits(), "Trainer::load: the file holds ", bits,
+              "-bit optimizer state, this Trainer's recipe keeps ", recipe_.state_bits(), "-bit state");
+  const bool offloads = detail::read_bool(archive, "offload");
+  const bool here_offloads = recipe_.offload() == Offload::kOptimizerState;
+  TORCH_CHECK(offloads == here_offloads, "Trainer::load: the file's recipe ", offload_name(offloads),
+              " the optimizer state, this Trainer's ", offload_name(here_offloads));
+  const bool scaled = detail::read_bool(archive, "grad_scaling");
+  TORCH_CHECK(scaled == scaler_.has_value(), "Trainer::load: the file's recipe ",
+              scaled ? "scales" : "does not scale", " gradients, this Trainer's ",
+              scaler_ ? "does" : "does not");
+  c10::IValue type;
+  archive.read("optimizer_type", type);
+  TORCH_CHECK(type.isString() && type.toStringRef() == type_name(*optimizer_),
+              "Trainer::load: the file holds the state of ", type.isString() ? type.toStringRef() : "?",
+              ", this Trainer's optimizer is ", type_name(*optimizer_));
+
+  torch::serialize::InputArchive model;
+  TORCH_CHECK(archive.try_read("model", model), "Trainer::load: the file has no model");
+  std::vector<ReadTensor> tensors;
+  read_module(*model_, model, "", tensors);
+  std::optional<amp::GradScaler> scaler = scaler_;
+  if (scaler) {
+    torch::serialize::InputArchive inner;
+    TORCH_CHECK(archive.try_read("scaler", inner), "Trainer::load: the file has no GradScaler state");
+    scaler->serialize(inner);
+  }
+  torch::serialize::InputArchive optimizer;
+  TORCH_CHECK(archive.try_read("optimizer", optimizer), "Trainer::load: the file has no optimizer state");
+  OptimizerSnapshot snapshot(*optimizer_);
+  try {
+    // NOTE: LibTorch's optimizers keep the state of a parameter that the file has none for; after the load
+    // the state is the file's alone.
+    optimizer_->state().clear();
+    optimizer_->load(optimizer);
+  } catch (...) {
+    snapshot.restore();
+    throw;
+  }
+
+  // Commit (copies into tensors of the same shapes: nothing here fails). An offloaded parameter already holds
+  // its master weight, which the optimizer's load copied back.
+  const auto* offload = dynamic_cast<const OffloadOptimizer*>(optimizer_.get());
+  torch::NoGradGuard no_grad;
+  for (const ReadTensor& t : tensors) {
+    if (offload == nullptr || !offload->offloaded(t.into)) t.into.copy_(t.value);
+  }
+  if (scaler) *scaler_ = std::move(*scaler);
+}
+
+void Trainer::load(const std::string& path) {
+  // Tensors go to the model's device, but for an offloading optimizer's, which stay where they were saved:
+  // its state in host memory, the small tensors' on the device (a model's host state may not fit its device).
+  const bool offloads = recipe_.offload() == Offload::kOptimizerState;
+  torch::serialize::InputArchive archive;
+  try {
+    archive.load_from(path, offloads ? std::nullopt : std::optional<torch::Device>(device_));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "Trainer::load: cannot read ", path, ": ", e.msg());
+  }
+  load(archive);
 }
 
 torch::Tensor Trainer::predict(const torch::Tensor& input) {

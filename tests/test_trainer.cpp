@@ -1,5 +1,6 @@
 #include <memsave/accumulate.h>
 #include <memsave/memory.h>
+#include <memsave/offload.h>
 #include <memsave/optim.h>
 #include <memsave/trainer.h>
 
@@ -8,8 +9,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
+#include <string>
 #include <vector>
 
 namespace memsave {
@@ -361,6 +368,242 @@ TEST(TrainerErrors, AnOutOfMemoryMidStepLeavesTheModelAsItWas) {
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], net->parameters()[i]));
   const auto stats = trainer.step(batch.input, batch.target, ce);  // and the next step works
   EXPECT_TRUE(stats.stepped);
+}
+
+// ---- save and load ----
+
+/// A model with buffers (BatchNorm's running statistics) besides parameters.
+tnn::Sequential resumable_net() {
+  return tnn::Sequential(tnn::Linear(6, 32), tnn::BatchNorm1d(32), tnn::Tanh(), tnn::Linear(32, 4));
+}
+
+std::vector<torch::Tensor> model_tensors(tnn::Sequential& net) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net->parameters()) out.push_back(p.detach().clone());
+  for (const auto& b : net->buffers()) out.push_back(b.clone());
+  return out;
+}
+
+void expect_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "tensor " << i;
+}
+
+/// A file name of this test's own in the temporary directory.
+std::string temp_file(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          ("memsave_trainer_" + name + "_" + std::to_string(getpid()) + ".pt"))
+      .string();
+}
+
+std::vector<zoo::Batch> mlp_batches(int count) {
+  torch::manual_seed(7);
+  std::vector<zoo::Batch> out;
+  for (int i = 0; i < count; ++i) out.push_back({torch::randn({16, 6}), torch::randint(4, {16})});
+  return out;
+}
+
+TEST(Trainer, SaveAndLoadResumeExactly) {
+  struct Case {
+    Recipe recipe;
+    OptimizerFactory optimizer;
+  };
+  const std::vector<Case> cases = {
+      {Recipe(), adamw(1e-2)},
+      {Recipe().micro_batch(4).amp(torch::kBFloat16).checkpoint(Checkpointing::every_layer()), adamw(1e-2)},
+      {Recipe().state_bits(8).max_grad_norm(0.5), adamw(1e-2)},
+      {Recipe().state_bits(4), adamw(1e-2)},
+      {Recipe().offload(Offload::kOptimizerState), adamw(1e-2)},
+      {Recipe().offload(Offload::kOptimizerState).state_bits(8).micro_batch(8), adamw(1e-2)},
+      {Recipe().grad_scaling(GradScaling::kOn), adamw(1e-2)},
+      {Recipe(), sgd(0.05)},
+      {Recipe().state_bits(8), sgd(0.05)},
+  };
+  const auto batches = mlp_batches(6);
+  const std::string file = temp_file("resume");
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.recipe.label());
+    torch::manual_seed(0);
+    auto straight = resumable_net();
+    Trainer a(straight, c.optimizer, c.recipe);
+    for (int s = 0; s < 3; ++s) a.step(batches[s].input, batches[s].target, ce);
+    a.save(file);
+    const auto saved = model_tensors(straight);
+    for (int s = 3; s < 6; ++s) a.step(batches[s].input, batches[s].target, ce);
+
+    torch::manual_seed(1);  // other initial weights, which the load replaces
+    auto resumed = resumable_net();
+    Trainer b(resumed, c.optimizer, c.recipe);
+    b.load(file);
+    expect_equal(model_tensors(resumed), saved);
+    for (int s = 3; s < 6; ++s) b.step(batches[s].input, batches[s].target, ce);
+    expect_equal(model_tensors(resumed), model_tensors(straight));
+    if (a.scaler() != nullptr) {
+      ASSERT_NE(b.scaler(), nullptr);
+      EXPECT_EQ(a.scaler()->get_scale(), b.scaler()->get_scale());
+      EXPECT_EQ(a.scaler()->growth_tracker(), b.scaler()->growth_tracker());
+      EXPECT_EQ(b.scaler()->growth_tracker(), 6);
+    }
+  }
+
+  // A file saved before the first step holds no optimizer state: loaded into a Trainer that has stepped, it
+  // starts it afresh, as the Trainer that saved it.
+  for (const Recipe& recipe : {Recipe(), Recipe().state_bits(8)}) {
+    SCOPED_TRACE(recipe.label());
+    torch::manual_seed(0);
+    auto fresh = resumable_net();
+    Trainer a(fresh, adamw(1e-2), recipe);
+    a.save(file);
+    torch::manual_seed(1);
+    auto stepped = resumable_net();
+    Trainer b(stepped, adamw(1e-2), recipe);
+    for (int s = 0; s < 2; ++s) b.step(batches[s].input, batches[s].target, ce);
+    b.load(file);
+    for (int s = 0; s < 2; ++s) {
+      a.step(batches[s].input, batches[s].target, ce);
+      b.step(batches[s].input, batches[s].target, ce);
+    }
+    expect_equal(model_tensors(stepped), model_tensors(fresh));
+  }
+
+  // What does not touch the saved state may differ: here the checkpointing and the micro-batches.
+  torch::manual_seed(0);
+  auto net = resumable_net();
+  Trainer a(net, adamw(1e-2), Recipe().checkpoint(Checkpointing::segments(2)).micro_batch(4));
+  a.step(batches[0].input, batches[0].target, ce);
+  a.save(file);
+  torch::manual_seed(1);
+  auto other = resumable_net();
+  Trainer b(other, adamw(1e-2), Recipe());
+  b.load(file);
+  expect_equal(model_tensors(other), model_tensors(net));
+  std::filesystem::remove(file);
+}
+
+TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
+  const auto batches = mlp_batches(3);
+  auto trained = [&](tnn::Sequential net, const OptimizerFactory& optimizer, const Recipe& recipe) {
+    auto trainer = std::make_unique<Trainer>(net, optimizer, recipe);
+    trainer->step(batches[0].input, batches[0].target, ce);
+    return trainer;
+  };
+  auto save = [&](const std::string& name, tnn::Sequential net, const OptimizerFactory& optimizer,
+                  const Recipe& recipe) {
+    const std::string path = temp_file(name);
+    trained(std::move(net), optimizer, recipe)->save(path);
+    return path;
+  };
+  std::vector<std::string> files = {
+      save("8bit", resumable_net(), adamw(1e-2), Recipe().state_bits(8)),
+      save("offload", resumable_net(), adamw(1e-2), Recipe().offload(Offload::kOptimizerState)),
+      save("scaled", resumable_net(), adamw(1e-2), Recipe().grad_scaling(GradScaling::kOn)),
+      save("wider",
+           tnn::Sequential(tnn::Linear(6, 48), tnn::BatchNorm1d(48), tnn::Tanh(), tnn::Linear(48, 4)),
+           adamw(1e-2), Recipe()),
+      save("unbuffered", tnn::Sequential(tnn::Linear(6, 32), tnn::Tanh(), tnn::Linear(32, 4)), adamw(1e-2),
+           Recipe()),
+      save("sgd", resumable_net(), sgd(0.1), Recipe()),  // the same model: only the optimizer's load fails
+  };
+  const std::string not_a_trainer = temp_file("tensor");
+  torch::save(torch::ones({3}), not_a_trainer);
+  const std::string truncated = temp_file("truncated");
+  {
+    const std::string whole = save("whole", resumable_net(), adamw(1e-2), Recipe());
+    std::ifstream in(whole, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    std::ofstream(truncated, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+    files.push_back(whole);
+  }
+
+  torch::manual_seed(0);
+  auto net = resumable_net();
+  const auto trainer = trained(net, adamw(1e-2), Recipe());
+  torch::manual_seed(0);
+  auto control_net = resumable_net();
+  const auto control = trained(control_net, adamw(1e-2), Recipe());
+  const auto before = model_tensors(net);
+  for (const std::string& path : {files[0], files[1], files[2], files[3], files[4], files[5], not_a_trainer,
+                                  truncated, temp_file("missing")}) {
+    SCOPED_TRACE(path);
+    EXPECT_THROW(trainer->load(path), c10::Error);
+    expect_equal(model_tensors(net), before);
+  }
+  try {
+    trainer->load(temp_file("missing"));
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(temp_file("missing")), std::string::npos) << e.what();
+  }
+  // The optimizer state is as it was too: the next steps are the control's.
+  for (int s = 1; s < 3; ++s) {
+    trainer->step(batches[s].input, batches[s].target, ce);
+    control->step(batches[s].input, batches[s].target, ce);
+  }
+  expect_equal(model_tensors(net), model_tensors(control_net));
+  // And a file that fits loads after all that.
+  EXPECT_NO_THROW(trainer->load(files[6]));
+  for (const std::string& path : files) std::filesystem::remove(path);
+  std::filesystem::remove(not_a_trainer);
+  std::filesystem::remove(truncated);
+}
+
+TEST(TrainerErrors, AnOptimizerLoadThatFailsHalfWayIsUndone) {
+  // LibTorch's AdamW takes a file's groups one by one: the first fits here and is loaded, the second does
+  // not.
+  const auto batches = mlp_batches(3);
+  auto groups = [](tnn::Sequential& net, size_t second) {
+    const auto p = net->parameters();  // 2 per Linear and BatchNorm: 6
+    return std::vector<torch::optim::OptimizerParamGroup>{
+        torch::optim::OptimizerParamGroup({p[0], p[1]}),
+        torch::optim::OptimizerParamGroup(std::vector<torch::Tensor>(p.begin() + 2, p.begin() + 2 + second))};
+  };
+  auto adamw_over = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+    return std::make_shared<torch::optim::AdamW>(std::move(g), torch::optim::AdamWOptions(1e-2));
+  };
+  torch::manual_seed(2);
+  auto source = resumable_net();
+  Trainer writer(source, adamw_over(groups(source, 4)), Recipe());
+  for (int s = 0; s < 2; ++s) writer.step(batches[s].input, batches[s].target, ce);
+  const std::string file = temp_file("groups");
+  writer.save(file);
+
+  torch::manual_seed(0);
+  auto net = resumable_net();
+  Trainer trainer(net, adamw_over(groups(net, 3)), Recipe());
+  torch::manual_seed(0);
+  auto control_net = resumable_net();
+  Trainer control(control_net, adamw_over(groups(control_net, 3)), Recipe());
+  trainer.step(batches[0].input, batches[0].target, ce);
+  control.step(batches[0].input, batches[0].target, ce);
+  EXPECT_THROW(trainer.load(file), c10::Error);
+  for (int s = 1; s < 3; ++s) {
+    trainer.step(batches[s].input, batches[s].target, ce);
+    control.step(batches[s].input, batches[s].target, ce);
+  }
+  expect_equal(model_tensors(net), model_tensors(control_net));
+  std::filesystem::remove(file);
+}
+
+TEST(TrainerErrors, AFailedSaveLeavesTheOlderFile) {
+  torch::manual_seed(0);
+  auto net = resumable_net();
+  Trainer trainer(net, adamw(), Recipe());
+  const auto batches = mlp_batches(2);
+  trainer.step(batches[0].input, batches[0].target, ce);
+  const std::string file = temp_file("older");
+  trainer.save(file);
+  const auto saved = model_tensors(net);
+  trainer.step(batches[1].input, batches[1].target, ce);
+  std::filesystem::create_directory(file + ".partial");  // where the save writes first: not writable
+  EXPECT_THROW(trainer.save(file), c10::Error);
+  std::filesystem::remove(file + ".partial");
+  EXPECT_THROW(trainer.save(temp_file("no/such/directory")), c10::Error);
+
+  torch::manual_seed(1);
+  auto other = resumable_net();
+  Trainer reader(other, adamw(), Recipe());
+  reader.load(file);  // the older file, whole
+  expect_equal(model_tensors(other), saved);
+  std::filesystem::remove(file);
 }
 
 TEST(Recipe, DescribesItselfAsCpp) {

@@ -15,6 +15,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/archive.h>
 
 #include <functional>
 #include <memory>
@@ -132,6 +133,20 @@ class Trainer {
   /// The model's output in eval mode without grad (and under the recipe's autocast).
   torch::Tensor predict(const torch::Tensor& input);
 
+  /// Writes what resuming needs, as a LibTorch archive: the model's parameters and buffers (under the names
+  /// of the Sequential given, whatever the checkpointing), the optimizer's state and the GradScaler's. The
+  /// file is written beside `path` and renamed over it, so a save that fails leaves an older file as it was.
+  void save(const std::string& path) const;
+  void save(torch::serialize::OutputArchive& archive) const;
+  /// Reads what `save` wrote; the steps that follow are those the saving Trainer would have taken. The recipe
+  /// may differ in what does not touch that state (micro-batches, checkpointing, autocast, clipping) but not
+  /// in the optimizer state's bits, its offload, or gradient scaling; the model must have the same parameters
+  /// and buffers. A file that does not fit, or is missing or corrupt, is an error that leaves model,
+  /// optimizer and scaler as they were. Tensors are read onto the model's device (with an offloading
+  /// optimizer, where they were saved: its host state stays in host memory).
+  void load(const std::string& path);
+  void load(torch::serialize::InputArchive& archive);
+
   /// The model as trained: the checkpointing wrapper when there is one.
   std::shared_ptr<torch::nn::Module> model() const { return module_; }
   torch::optim::Optimizer& optimizer() { return *optimizer_; }
@@ -145,6 +160,7 @@ class Trainer {
   torch::Tensor forward(const torch::Tensor& input);
 
   Recipe recipe_;
+  torch::nn::Sequential model_{nullptr};  ///< as given: what save and load name
   std::shared_ptr<torch::nn::Module> module_;
   std::function<torch::Tensor(const torch::Tensor&)> forward_;
   c10::Device device_ = c10::kCPU;
