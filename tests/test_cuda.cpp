@@ -18,7 +18,10 @@
 #include <torch/torch.h>
 
 #include <cstdlib>
+#include <filesystem>
+#include <string>
 #include <utility>
+#include <vector>
 
 namespace memsave {
 namespace {
@@ -383,6 +386,38 @@ TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {
   }
   for (size_t i = 0; i < during->parameters().size(); ++i)
     EXPECT_TRUE(torch::equal(during->parameters()[i], at_step->parameters()[i])) << i;
+}
+
+TEST(CudaTrainer, SaveAndLoadResumeExactlyOnCuda) {
+  SKIP_WITHOUT_CUDA();
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  torch::manual_seed(3);
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
+  for (int s = 0; s < 4; ++s)
+    batches.emplace_back(torch::randn({32, 512}, kCuda),
+                         torch::randint(10, {32}, torch::TensorOptions(kCuda).dtype(torch::kLong)));
+  const std::string file = (std::filesystem::temp_directory_path() / "memsave_cuda_trainer.pt").string();
+  for (const Recipe& recipe : {Recipe().amp(torch::kHalf).state_bits(8), Recipe().amp(torch::kBFloat16),
+                               Recipe().offload(Offload::kOptimizerState).state_bits(8).micro_batch(16),
+                               Recipe().offload(Offload::kOptimizerState).amp(torch::kHalf)}) {
+    SCOPED_TRACE(recipe.label());
+    auto straight = cuda_mlp();
+    Trainer a(straight, adamw(1e-3), recipe);
+    for (int s = 0; s < 2; ++s) a.step(batches[s].first, batches[s].second, ce);
+    a.save(file);
+    for (int s = 2; s < 4; ++s) a.step(batches[s].first, batches[s].second, ce);
+    auto resumed = cuda_mlp();
+    Trainer b(resumed, adamw(1e-3), recipe);
+    b.load(file);
+    for (int s = 2; s < 4; ++s) b.step(batches[s].first, batches[s].second, ce);
+    for (size_t i = 0; i < straight->parameters().size(); ++i)
+      EXPECT_TRUE(torch::equal(straight->parameters()[i], resumed->parameters()[i])) << i;
+    EXPECT_EQ(a.scaler() != nullptr, recipe.scales_gradients());
+    if (a.scaler() != nullptr) EXPECT_EQ(a.scaler()->get_scale(), b.scaler()->get_scale());
+  }
+  std::filesystem::remove(file);
 }
 
 TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {
