@@ -25,6 +25,9 @@ python="$(command -v python3 || command -v python)"
 prefix="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 note "torch: $("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >>"$summary" 2>&1
+# The host's processor, which steps the offloaded state (its best kernel level: avx512vbmi > avx512f > avx2).
+note "cpu: $(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -1), $(nproc) threads," \
+  "$(grep -owE 'avx512vbmi|avx512f|avx2|f16c' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 generator=(); command -v ninja >/dev/null && generator=(-G Ninja)
 if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
      -DMEMSAVE_WITH_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DTORCH_CUDA_ARCH_LIST=9.0 \
