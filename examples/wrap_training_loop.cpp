@@ -1,7 +1,8 @@
 // An existing LibTorch training loop, before and after memsave: the same model, data and seed, first as
 // written, then with every technique — micro-batches with the loss normalized over the window, bf16 autocast,
 // checkpointing, 8-bit optimizer state, gradient clipping — first with the individual wrappers, then through
-// the Trainer in a few lines. Prints each loop's losses and step peak (memsave's meter).
+// the Trainer in a few lines, which it then saves and resumes. Prints each loop's losses and step peak
+// (memsave's meter).
 //
 //   build/examples/wrap_training_loop [--steps N]
 #include <memsave/memsave.h>
@@ -10,6 +11,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 
 namespace {
@@ -89,20 +91,46 @@ int main(int argc, char** argv) {
   }
 
   // ---- after, with the Trainer ------------------------------------------------------------------------
+  const memsave::Recipe recipe = memsave::Recipe()
+                                     .micro_batch(16)
+                                     .amp(torch::kBFloat16)
+                                     .checkpoint(memsave::Checkpointing::segments(2))
+                                     .state_bits(8)
+                                     .max_grad_norm(1.0);
+  auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return F::cross_entropy(out, y); };
+  // Resuming: model, optimizer state (and a GradScaler's) go in one file; a Trainer over a fresh model that
+  // loads it takes the steps the saving one would have taken.
+  const std::string file = (std::filesystem::temp_directory_path() / "wrap_training_loop.pt").string();
+  double next_loss = 0;
   {
     auto net = make_model();
-    memsave::Trainer trainer(net, memsave::adamw(1e-3),
-                             memsave::Recipe()
-                                 .micro_batch(16)
-                                 .amp(torch::kBFloat16)
-                                 .checkpoint(memsave::Checkpointing::segments(2))
-                                 .state_bits(8)
-                                 .max_grad_norm(1.0));
-    auto loss_fn = [](const torch::Tensor& out, const torch::Tensor& y) { return F::cross_entropy(out, y); };
+    memsave::Trainer trainer(net, memsave::adamw(1e-3), recipe);
     for (int step = 0; step < steps; ++step) {
       const Data d = batch(step);
       const memsave::StepStats stats = trainer.step(d.x, d.y, loss_fn);
       report("Trainer: the same recipe", step, stats.loss, stats.peak_bytes);
+    }
+    trainer.save(file);
+    for (int step = steps; step < steps + 2; ++step) {  // the second loss shows the first step's update
+      const Data d = batch(step);
+      next_loss = trainer.step(d.x, d.y, loss_fn).loss;
+    }
+  }
+  {
+    auto net = make_model();
+    memsave::Trainer resumed(net, memsave::adamw(1e-3), recipe);
+    resumed.load(file);
+    std::filesystem::remove(file);
+    memsave::StepStats stats;
+    for (int step = steps; step < steps + 2; ++step) {
+      const Data d = batch(step);
+      stats = resumed.step(d.x, d.y, loss_fn);
+      report("Trainer: resumed from its file", step, stats.loss, stats.peak_bytes);
+    }
+    if (stats.loss != next_loss) {
+      std::fprintf(stderr, "the resumed Trainer's loss %.9g differs from the saving one's %.9g\n", stats.loss,
+                   next_loss);
+      return 1;
     }
   }
   return 0;
