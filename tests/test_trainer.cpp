@@ -493,7 +493,7 @@ TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
     trained(std::move(net), optimizer, recipe)->save(path);
     return path;
   };
-  std::vector<std::string> files = {
+  std::vector<std::string> bad = {
       save("8bit", resumable_net(), adamw(1e-2), Recipe().state_bits(8)),
       save("offload", resumable_net(), adamw(1e-2), Recipe().offload(Offload::kOptimizerState)),
       save("scaled", resumable_net(), adamw(1e-2), Recipe().grad_scaling(GradScaling::kOn)),
@@ -502,18 +502,18 @@ TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
            adamw(1e-2), Recipe()),
       save("unbuffered", tnn::Sequential(tnn::Linear(6, 32), tnn::Tanh(), tnn::Linear(32, 4)), adamw(1e-2),
            Recipe()),
-      save("sgd", resumable_net(), sgd(0.1), Recipe()),  // the same model: only the optimizer's load fails
+      save("sgd", resumable_net(), sgd(0.1), Recipe()),  // the same model, another optimizer
+      temp_file("tensor"),
+      temp_file("truncated"),
   };
-  const std::string not_a_trainer = temp_file("tensor");
-  torch::save(torch::ones({3}), not_a_trainer);
-  const std::string truncated = temp_file("truncated");
+  torch::save(torch::ones({3}), bad[6]);  // a LibTorch archive, not a Trainer's
+  const std::string whole = save("whole", resumable_net(), adamw(1e-2), Recipe());
   {
-    const std::string whole = save("whole", resumable_net(), adamw(1e-2), Recipe());
     std::ifstream in(whole, std::ios::binary);
     const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    std::ofstream(truncated, std::ios::binary) << bytes.substr(0, bytes.size() / 2);
-    files.push_back(whole);
+    std::ofstream(bad[7], std::ios::binary) << bytes.substr(0, bytes.size() / 2);
   }
+  const std::string missing = temp_file("missing");
 
   torch::manual_seed(0);
   auto net = resumable_net();
@@ -522,17 +522,18 @@ TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
   auto control_net = resumable_net();
   const auto control = trained(control_net, adamw(1e-2), Recipe());
   const auto before = model_tensors(net);
-  for (const std::string& path : {files[0], files[1], files[2], files[3], files[4], files[5], not_a_trainer,
-                                  truncated, temp_file("missing")}) {
+  for (const std::string& path : bad) {
     SCOPED_TRACE(path);
     EXPECT_THROW(trainer->load(path), c10::Error);
     expect_equal(model_tensors(net), before);
   }
   try {
-    trainer->load(temp_file("missing"));
+    trainer->load(missing);
+    ADD_FAILURE() << "a missing file loaded";
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(temp_file("missing")), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(missing), std::string::npos) << e.what();
   }
+  expect_equal(model_tensors(net), before);
   // The optimizer state is as it was too: the next steps are the control's.
   for (int s = 1; s < 3; ++s) {
     trainer->step(batches[s].input, batches[s].target, ce);
@@ -540,10 +541,9 @@ TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
   }
   expect_equal(model_tensors(net), model_tensors(control_net));
   // And a file that fits loads after all that.
-  EXPECT_NO_THROW(trainer->load(files[6]));
-  for (const std::string& path : files) std::filesystem::remove(path);
-  std::filesystem::remove(not_a_trainer);
-  std::filesystem::remove(truncated);
+  EXPECT_NO_THROW(trainer->load(whole));
+  for (const std::string& path : bad) std::filesystem::remove(path);
+  std::filesystem::remove(whole);
 }
 
 TEST(TrainerErrors, AnOptimizerLoadThatFailsHalfWayIsUndone) {
