@@ -416,6 +416,7 @@ TEST(Trainer, SaveAndLoadResumeExactly) {
       {Recipe().offload(Offload::kOptimizerState), adamw(1e-2)},
       {Recipe().offload(Offload::kOptimizerState).state_bits(8).micro_batch(8), adamw(1e-2)},
       {Recipe().grad_scaling(GradScaling::kOn), adamw(1e-2)},
+      {Recipe().offload(Offload::kOptimizerState).grad_scaling(GradScaling::kOn), adamw(1e-2)},
       {Recipe(), sgd(0.05)},
       {Recipe().state_bits(8), sgd(0.05)},
   };
