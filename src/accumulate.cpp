@@ -113,7 +113,7 @@ WindowStep GradientAccumulator::step() {
       for (auto& p : parameters) p.mutable_grad().mul_(correction);
     }
     if (options_.max_grad_norm() > 0) {
-      torch::nn::utils::clip_grad_norm_(parameters, options_.max_grad_norm());
+      result.grad_norm = torch::nn::utils::clip_grad_norm_(parameters, options_.max_grad_norm());
       // NOTE: LibTorch clips through .data(), which the gradients' version counters do not see; an
       // OffloadOptimizer that copied them during the backward tells a changed gradient by its version.
       for (auto& p : parameters) torch::autograd::impl::bump_version(p.grad());

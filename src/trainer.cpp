@@ -286,6 +286,7 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
     stats.items = window.items;
     stats.stepped = window.stepped;
     stats.micro_batches = window.micro_batches;
+    stats.grad_norm = window.grad_norm;
   } catch (...) {
     accumulator_->discard();
     throw;

@@ -16,6 +16,7 @@
 #include <fstream>
 #include <functional>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,10 @@ namespace {
 
 namespace tnn = torch::nn;
 namespace F = torch::nn::functional;
+
+torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) {
+  return F::cross_entropy(out, target);
+}
 
 tnn::Sequential small_mlp() { return tnn::Sequential(tnn::Linear(6, 16), tnn::Tanh(), tnn::Linear(16, 4)); }
 
@@ -80,6 +85,43 @@ TEST(Accumulate, EqualMicroBatchesGiveTheFullBatchGradient) {
   }
   ASSERT_EQ(rec.steps, 1);
   EXPECT_LE(relative_error(rec.grads, expected), 1e-5);
+}
+
+double global_norm(const std::vector<torch::Tensor>& grads) {
+  double sum = 0;
+  for (const auto& g : grads) sum += g.to(torch::kDouble).square().sum().item<double>();
+  return std::sqrt(sum);
+}
+
+TEST(Accumulate, ClippingBoundsTheWindowsGradientAndReportsItsNormBefore) {
+  torch::manual_seed(0);
+  auto net = small_mlp();
+  const auto x = torch::randn({32, 6}), y = torch::randint(4, {32});
+  const auto expected = full_batch_grads(net, x, y);
+  const double norm = global_norm(expected);
+  for (const double max_norm : {norm / 2, norm * 2, 0.0}) {
+    SCOPED_TRACE(max_norm);
+    Recorder rec(net->parameters());
+    rec.zero_grad();
+    GradientAccumulator acc(rec, AccumulateOptions().window(4).max_grad_norm(max_norm));
+    std::optional<WindowStep> window;
+    for (const auto& part : split_micro_batches({x, y}, 8))
+      window = acc.backward(F::cross_entropy(net->forward(part[0]), part[1]), 8);
+    ASSERT_TRUE(window.has_value());
+    EXPECT_NEAR(window->grad_norm, max_norm > 0 ? norm : 0.0, 1e-5 * norm);
+    const double factor = max_norm > 0 && max_norm < norm ? max_norm / norm : 1.0;
+    std::vector<torch::Tensor> scaled;
+    for (const auto& g : expected) scaled.push_back(g * factor);
+    EXPECT_LT(relative_error(rec.grads, scaled), 1e-5);
+    if (max_norm > 0) EXPECT_LE(global_norm(rec.grads), max_norm * (1 + 1e-5));
+  }
+  // The Trainer reports it with the step.
+  auto rec = std::make_shared<Recorder>(net->parameters());
+  Trainer trainer(net, rec, Recipe().micro_batch(8).max_grad_norm(norm / 2));
+  EXPECT_NEAR(trainer.step(x, y, ce).grad_norm, norm, 1e-5 * norm);
+  EXPECT_LT(relative_error(rec->grads,
+                           {expected[0] * 0.5, expected[1] * 0.5, expected[2] * 0.5, expected[3] * 0.5}),
+            1e-5);
 }
 
 TEST(Accumulate, UnequalMicroBatchesAreWeightedByTheirItems) {
@@ -228,10 +270,6 @@ TEST(AccumulateErrors, BadInputIsRejectedAndNothingSteps) {
 // ---- Trainer ----
 
 zoo::Batch cnn_batch(int64_t rows) { return {torch::randn({rows, 1, 28, 28}), torch::randint(10, {rows})}; }
-
-torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) {
-  return F::cross_entropy(out, target);
-}
 
 /// Trains the small CNN for `steps` steps on a fixed batch and returns the first and last loss.
 std::pair<double, double> train(const Recipe& recipe, int steps = 8) {

@@ -54,6 +54,9 @@ struct WindowStep {
   double items = 0;      ///< items (or tokens) the window was normalized by
   double loss = 0;       ///< the window's loss: sum of per-item losses / items
   int64_t micro_batches = 0;
+  /// With clipping (max_grad_norm > 0): the gradients' global L2 norm before clipping, after unscaling (inf
+  /// or NaN in a window the scaler skips); 0 without clipping.
+  double grad_norm = 0;
 };
 
 class GradientAccumulator {

@@ -5,7 +5,7 @@
 //                     .checkpoint(memsave::Checkpointing::segments(4)).state_bits(8).max_grad_norm(1.0);
 //   memsave::Trainer trainer(net, memsave::adamw(1e-3), recipe);
 //   for (auto& batch : loader) {
-//     auto stats = trainer.step(batch.data, batch.target, loss_fn);   // loss, items, stepped, peak, time
+//     auto stats = trainer.step(batch.data, batch.target, loss_fn);   // loss, items, stepped, norm, peak, time
 //   }
 #pragma once
 
@@ -105,6 +105,8 @@ struct StepStats {
   double items = 0;      ///< items (or tokens, from the mask) the step was normalized by
   bool stepped = false;  ///< false when the GradScaler skipped the step (inf/NaN gradients)
   int64_t micro_batches = 0;
+  /// With the recipe's max_grad_norm: the gradients' global L2 norm before clipping (0 without clipping).
+  double grad_norm = 0;
   int64_t peak_bytes = 0;  ///< the step's peak in the model's device pool (memsave's meter)
   double seconds = 0;      ///< wall time of the step
 };
