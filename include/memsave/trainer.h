@@ -5,7 +5,7 @@
 //                     .checkpoint(memsave::Checkpointing::segments(4)).state_bits(8).max_grad_norm(1.0);
 //   memsave::Trainer trainer(net, memsave::adamw(1e-3), recipe);
 //   for (auto& batch : loader) {
-//     auto stats = trainer.step(batch.data, batch.target, loss_fn);   // loss, items, stepped, norm, peak, time
+//     auto stats = trainer.step(batch.data, batch.target, loss_fn);  // loss, items, norm, peak, time, ...
 //   }
 #pragma once
 
