@@ -75,6 +75,9 @@ std::optional<WindowStep> GradientAccumulator::backward(const torch::Tensor& los
               ") are complete and its last backward has stepped the parameters (step_during_backward); call "
               "step() before the next micro-batch");
   try {
+    // A window's gradient is its own micro-batches' alone: not what a backward outside it left behind (a loop
+    // before this one, an evaluation's backward). After a step or a discard they are zero already.
+    if (micro_batches_ == 0) optimizer_.zero_grad();
     if (!normalizer_) normalizer_ = items * static_cast<double>(options_.window());
     const torch::Tensor sum = options_.reduction() == LossReduction::kMean ? loss * items : loss;
     const torch::Tensor normalized = sum / *normalizer_;

@@ -251,11 +251,16 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
               input.size(0));
   const auto parts = split_micro_batches(tensors, micro);
   std::vector<double> items;
-  double total = 0;
-  for (const auto& part : parts) {
-    items.push_back(mask.defined() ? part[2].sum().item<double>() : static_cast<double>(part[0].size(0)));
-    total += items.back();
+  if (mask.defined()) {  // the micro-batches' tokens in one read (a device sync each would stall the queue)
+    std::vector<torch::Tensor> sums;
+    for (const auto& part : parts) sums.push_back(part[2].sum().to(torch::kDouble));
+    const torch::Tensor counts = torch::stack(sums).cpu();
+    items.assign(counts.data_ptr<double>(), counts.data_ptr<double>() + counts.numel());
+  } else {
+    for (const auto& part : parts) items.push_back(static_cast<double>(part[0].size(0)));
   }
+  double total = 0;
+  for (const double n : items) total += n;
   TORCH_CHECK(total > 0, "Trainer::step: the batch has no items to learn from (the mask sums to ", total,
               ")");
 

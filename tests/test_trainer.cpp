@@ -124,6 +124,24 @@ TEST(Accumulate, ClippingBoundsTheWindowsGradientAndReportsItsNormBefore) {
             1e-5);
 }
 
+TEST(Accumulate, AWindowStartsFromZeroGradients) {
+  // Gradients left by a backward before the window (a plain loop's last step, an evaluation) are not the
+  // window's: its step sees its own micro-batches' gradient alone, the first window as every later one.
+  torch::manual_seed(0);
+  auto net = small_mlp();
+  const auto x = torch::randn({16, 6}), y = torch::randint(4, {16});
+  const auto expected = full_batch_grads(net, x, y);
+  net->forward(torch::randn({3, 6})).sum().backward();  // stale gradients
+  Recorder rec(net->parameters());
+  GradientAccumulator acc(rec, AccumulateOptions().window(2));
+  for (int window = 0; window < 2; ++window) {
+    for (const auto& part : split_micro_batches({x, y}, 8))
+      acc.backward(F::cross_entropy(net->forward(part[0]), part[1]), 8);
+    EXPECT_EQ(rec.steps, window + 1);
+    EXPECT_LT(relative_error(rec.grads, expected), 1e-5) << "window " << window;
+  }
+}
+
 TEST(Accumulate, UnequalMicroBatchesAreWeightedByTheirItems) {
   torch::manual_seed(1);
   auto net = small_mlp();
@@ -356,6 +374,28 @@ TEST(Trainer, MaskedItemsCountAndAllMaskedIsAnError) {
   const auto before = net->parameters()[0].clone();
   EXPECT_THROW(trainer.step(x, y, ce, torch::zeros({4})), c10::Error);
   EXPECT_TRUE(torch::equal(before, net->parameters()[0]));
+}
+
+TEST(Trainer, EachMicroBatchWeighsItsMasksItems) {
+  // Rows 1..4 do not count (their targets are ignored by the loss): the micro-batches of 2 hold 1, 0 and 2
+  // items; the one without any is skipped, and the step is the full batch's mean over its 3 items.
+  torch::manual_seed(0);
+  auto net = small_mlp();
+  const auto x = torch::randn({6, 6});
+  const auto mask = torch::tensor({1, 0, 0, 0, 1, 1});
+  const auto y = torch::where(mask > 0, torch::randint(4, {6}), torch::full({6}, -100, torch::kLong));
+  auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return F::cross_entropy(out, target, F::CrossEntropyFuncOptions().ignore_index(-100));
+  };
+  for (auto& p : net->parameters()) p.mutable_grad() = torch::Tensor();
+  loss(net->forward(x), y).backward();
+  const auto expected = grads_of(net);  // (which stay in the parameters: the step must not add to them)
+  auto rec = std::make_shared<Recorder>(net->parameters());
+  Trainer trainer(net, rec, Recipe().micro_batch(2));
+  const StepStats stats = trainer.step(x, y, loss, mask);
+  EXPECT_EQ(stats.items, 3);
+  EXPECT_EQ(stats.micro_batches, 2);
+  EXPECT_LT(relative_error(rec->grads, expected), 1e-5);
 }
 
 TEST(TrainerErrors, ImpossibleRecipesAreRejectedAtConstruction) {
