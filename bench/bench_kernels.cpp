@@ -3,7 +3,7 @@
 // fp32-state step, and the code-book look-ups alone, for each storage type of the parameters; and the
 // quantized steps of fp32 parameters on 2^24 elements, which stream from memory (a look-up that wins in cache
 // can lose there). The instruction set is the one the kernels chose at start-up
-// (MEMSAVE_CPU_ISA=avx512|avx2|baseline caps it); bench/RESULTS-optim.md quotes it.
+// (MEMSAVE_CPU_ISA=avx512vbmi|avx512|avx2|baseline caps it); bench/RESULTS-optim.md quotes it.
 #include "optim_cpu.h"
 #include "qmap.h"
 

@@ -151,4 +151,13 @@ const char* unknown_cpu_isa_request() { return requested_cap() ? nullptr : reque
 
 const char* cpu_kernel_isa() { return kIsaNames[static_cast<int>(kIsa)]; }
 
+const char* cpu_isa_levels() {
+  static const std::string levels = [] {
+    std::string out;
+    for (const char* name : kIsaNames) out += (out.empty() ? "" : ", ") + std::string(name);
+    return out;
+  }();
+  return levels.c_str();
+}
+
 }  // namespace memsave::kernels

@@ -78,4 +78,7 @@ const char* cpu_kernel_isa();
 /// optimizers refuse to start), else nullptr.
 const char* unknown_cpu_isa_request();
 
+/// The levels MEMSAVE_CPU_ISA takes, lowest first, comma-separated (for messages).
+const char* cpu_isa_levels();
+
 }  // namespace memsave::kernels

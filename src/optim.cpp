@@ -230,7 +230,7 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
   const char* unknown_isa = k::unknown_cpu_isa_request();
   TORCH_CHECK(unknown_isa == nullptr, kind_name(static_cast<int32_t>(kind_), bits_),
               ": MEMSAVE_CPU_ISA=", unknown_isa,
-              " names none of the CPU kernels' instruction sets: avx512vbmi, avx512, avx2, baseline",
+              " names none of the CPU kernels' instruction sets: ", k::cpu_isa_levels(),
               " (unset or empty: the best the processor has)");
   for (const auto& group : param_groups_) {
     for (const auto& p : group.params()) {

@@ -360,8 +360,6 @@ class OptimizerSnapshot {
   std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())> state_;
 };
 
-const char* offload_name(bool offloads) { return offloads ? "offloads" : "does not offload"; }
-
 std::string type_name(const torch::optim::Optimizer& optimizer) {
   return c10::demangle(typeid(optimizer).name());
 }
@@ -371,7 +369,6 @@ std::string type_name(const torch::optim::Optimizer& optimizer) {
 void Trainer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("memsave_trainer", kTrainerFileVersion);
   archive.write("state_bits", recipe_.state_bits());
-  archive.write("offload", recipe_.offload() == Offload::kOptimizerState);
   archive.write("grad_scaling", scaler_.has_value());
   archive.write("optimizer_type", type_name(*optimizer_));
   torch::serialize::OutputArchive model(archive.compilation_unit());
@@ -414,10 +411,6 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
   const int64_t bits = detail::read_int(archive, "state_bits");
   TORCH_CHECK(bits == recipe_.state_bits(), "Trainer::load: the file holds ", bits,
               "-bit optimizer state, this Trainer's recipe keeps ", recipe_.state_bits(), "-bit state");
-  const bool offloads = detail::read_bool(archive, "offload");
-  const bool here_offloads = recipe_.offload() == Offload::kOptimizerState;
-  TORCH_CHECK(offloads == here_offloads, "Trainer::load: the file's recipe ", offload_name(offloads),
-              " the optimizer state, this Trainer's ", offload_name(here_offloads));
   const bool scaled = detail::read_bool(archive, "grad_scaling");
   TORCH_CHECK(scaled == scaler_.has_value(), "Trainer::load: the file's recipe ",
               scaled ? "scales" : "does not scale", " gradients, this Trainer's ",
