@@ -14,6 +14,9 @@ namespace memsave::kernels {
                 std::int64_t n);                                                                    \
   void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out,      \
                   std::int64_t n);                                                                  \
+  void quantize_blocks(const VectorBook& book, int bits, const float* values, std::int64_t n,       \
+                       std::int64_t block_size, std::uint8_t* codes, float* absmax,                 \
+                       std::int64_t block_begin, std::int64_t block_end);                           \
   }
 MEMSAVE_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
@@ -119,6 +122,14 @@ void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absma
                     std::int64_t n) {
   VectorBook scratch;
   MEMSAVE_DISPATCH(dequantize, vector_of(book, scratch), codes, absmax, out, n);
+}
+
+void quantize_blocks_cpu(const CodeBook& book, int bits, const float* values, std::int64_t n,
+                         std::int64_t block_size, std::uint8_t* codes, float* absmax,
+                         std::int64_t block_begin, std::int64_t block_end) {
+  VectorBook scratch;
+  MEMSAVE_DISPATCH(quantize_blocks, vector_of(book, scratch), bits, values, n, block_size, codes, absmax,
+                   block_begin, block_end);
 }
 
 #undef MEMSAVE_DISPATCH

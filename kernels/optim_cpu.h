@@ -66,6 +66,14 @@ void step_quantized_cpu(const StepQuantized& step, std::int64_t block_begin, std
 void quantize_cpu(const CodeBook& book, const float* values, float scale, std::uint8_t* codes,
                   std::int64_t n);
 
+/// Blockwise quantization of n fp32 values (one moment), as a quantized step leaves its state: for each block
+/// b in [block_begin, block_end) of `block_size` elements, absmax[b] = its largest magnitude (NaN when it
+/// holds a NaN) and its codes the nearest of value * block_scale(absmax[b]), stored as code_bytes says for
+/// `bits` (8, or 4: two to a byte). `block_size` is a power of two in [kMinBlock, kMaxBlock].
+void quantize_blocks_cpu(const CodeBook& book, int bits, const float* values, std::int64_t n,
+                         std::int64_t block_size, std::uint8_t* codes, float* absmax,
+                         std::int64_t block_begin, std::int64_t block_end);
+
 /// out[i] = book.code[codes[i]] * absmax, with the vector code of the step kernels (tests, benchmarks).
 void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
                     std::int64_t n);

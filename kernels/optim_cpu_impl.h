@@ -454,5 +454,21 @@ void quantize(const VectorBook& book, const float* values, float scale, std::uin
 void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out, std::int64_t n) {
   dequantize_run(book, codes, absmax, out, n);
 }
+void quantize_blocks(const VectorBook& book, int bits, const float* values, std::int64_t n,
+                     std::int64_t block_size, std::uint8_t* codes, float* absmax, std::int64_t block_begin,
+                     std::int64_t block_end) {
+  alignas(64) std::uint8_t scratch[kMaxBlock];
+  for (std::int64_t b = block_begin; b < block_end; ++b) {
+    const std::int64_t offset = b * block_size;
+    const std::int64_t count = std::min(block_size, n - offset);
+    absmax[b] = absmax_run(values + offset, count);
+    const float scale = block_scale(absmax[b]);
+    if (bits == 4) {
+      quantize_block<4>(book, values + offset, scale, codes, offset, count, scratch);
+    } else {
+      quantize_block<8>(book, values + offset, scale, codes, offset, count, scratch);
+    }
+  }
+}
 
 }  // namespace memsave::kernels::MEMSAVE_CPU_ISA

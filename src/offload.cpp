@@ -353,6 +353,15 @@ void OffloadOptimizer::discard_backward() {
   }
 }
 
+void OffloadOptimizer::refresh_masters() {
+  discard_backward();  // and with it the copies back in flight, which would overwrite the parameters
+  torch::NoGradGuard no_grad;
+  for (const Offloaded& o : offloaded_) {
+    // NOTE: through `staging`, as copy_back: a converting copy off the device would take a device buffer.
+    o.master.copy_(o.staging.defined() ? o.staging.copy_(o.param) : o.param);
+  }
+}
+
 const OffloadOptimizerOptions& OffloadOptimizer::options() const {
   return static_cast<const OffloadOptimizerOptions&>(param_groups().front().options());
 }
@@ -438,12 +447,15 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
   //    the device.
   if (host_ && !to_step.empty()) step_masters(to_step);
   if (device_) device_->step();
-  if (copies_ && copies_->step_slot) {  // the next backward may step the parameters that have their state
-    std::lock_guard<std::mutex> lock(copies_->mutex);
-    for (size_t i = 0; i < offloaded_.size(); ++i)
-      copies_->can_step[i] = host_->state().count(offloaded_[i].master.unsafeGetTensorImpl()) > 0;
-  }
+  update_can_step();
   return loss;
+}
+
+void OffloadOptimizer::update_can_step() {
+  if (!copies_ || !copies_->step_slot) return;  // the next backward may step the parameters that have state
+  std::lock_guard<std::mutex> lock(copies_->mutex);
+  for (size_t i = 0; i < offloaded_.size(); ++i)
+    copies_->can_step[i] = host_->state().count(offloaded_[i].master.unsafeGetTensorImpl()) > 0;
 }
 
 void OffloadOptimizer::step_masters(const std::vector<size_t>& which) {
@@ -538,6 +550,9 @@ bool OffloadOptimizer::offloaded(const torch::Tensor& param) const {
 }
 
 void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
+  torch::serialize::OutputArchive options_archive;
+  options().serialize(options_archive);
+  archive.write("offload/options", options_archive);
   archive.write("offload/count", static_cast<int64_t>(offloaded_.size()));
   for (size_t i = 0; i < offloaded_.size(); ++i)
     archive.write("offload/master" + std::to_string(i), offloaded_[i].master);
@@ -585,7 +600,18 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
     archive.read("offload/device", inner);
     device->load(inner);
   }
-  // Commit.
+  // The hyper-parameters saved (files from before they were have none); how this optimizer was made stays.
+  OffloadOptimizerOptions hyper = options();
+  torch::serialize::InputArchive options_archive;
+  if (archive.try_read("offload/options", options_archive)) {
+    OffloadOptimizerOptions saved;
+    saved.serialize(options_archive);
+    check_options(saved);
+    hyper.lr(saved.lr()).betas(saved.betas()).eps(saved.eps()).weight_decay(saved.weight_decay());
+  }
+  // Commit, once the host thread of step_during_backward has stopped reading the state.
+  discard_backward();
+  static_cast<OffloadOptimizerOptions&>(param_groups().front().options()) = hyper;
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < count; ++i) {
     offloaded_[i].master.copy_(masters[i]);
@@ -593,6 +619,7 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   }
   if (host) host_ = std::move(host);
   if (device) device_ = std::move(device);
+  update_can_step();
 }
 
 }  // namespace memsave

@@ -7,6 +7,7 @@
 
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
@@ -364,6 +365,46 @@ std::string type_name(const torch::optim::Optimizer& optimizer) {
   return c10::demangle(typeid(optimizer).name());
 }
 
+/// An optimizer of the type a Trainer's file names (with its `bits`), over CPU stand-ins of `params`, to read
+/// the file's optimizer state `state` into so that it can be converted; null for a type it does not know.
+std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type, int64_t bits,
+                                                        torch::serialize::InputArchive& state,
+                                                        const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> cpu;
+  for (const auto& p : params) cpu.push_back(torch::empty(p.sizes(), torch::kFloat));
+  // memsave's optimizers check the file's block size against their own: take it from the file.
+  const auto block = [&] {
+    torch::serialize::InputArchive group;
+    state.read("group_0_options", group);
+    return detail::read_int(group, "block_size");
+  };
+  if (type == "torch::optim::AdamW") return std::make_unique<torch::optim::AdamW>(cpu);
+  if (type == "torch::optim::Adam") return std::make_unique<torch::optim::Adam>(cpu);
+  if (type == "torch::optim::SGD")
+    return std::make_unique<torch::optim::SGD>(cpu, torch::optim::SGDOptions(0).momentum(0.9));
+  if (type == "memsave::optim::AdamW8bit")
+    return std::make_unique<optim::AdamW8bit>(cpu, optim::AdamW8bitOptions().block_size(block()));
+  if (type == "memsave::optim::Adam8bit")
+    return std::make_unique<optim::Adam8bit>(cpu, optim::Adam8bitOptions().block_size(block()));
+  if (type == "memsave::optim::AdamW4bit")
+    return std::make_unique<optim::AdamW4bit>(cpu, optim::AdamW4bitOptions().block_size(block()));
+  if (type == "memsave::optim::Adam4bit")
+    return std::make_unique<optim::Adam4bit>(cpu, optim::Adam4bitOptions().block_size(block()));
+  if (type == "memsave::optim::SGD8bit")
+    return std::make_unique<optim::SGD8bit>(cpu, optim::SGD8bitOptions(0).block_size(block()));
+  if (type == "memsave::optim::Lion8bit")
+    return std::make_unique<optim::Lion8bit>(cpu, optim::Lion8bitOptions().block_size(block()));
+  if (type == "memsave::OffloadOptimizer") {
+    // Which parameters it offloaded follows from min_offload_size (files from before it was saved: 0).
+    OffloadOptimizerOptions options = OffloadOptimizerOptions().state_bits(bits);
+    torch::serialize::InputArchive saved;
+    if (state.try_read("offload/options", saved)) options.serialize(saved);
+    options.copy_during_backward(false).step_during_backward(false);
+    return std::make_unique<OffloadOptimizer>(cpu, options);
+  }
+  return nullptr;
+}
+
 }  // namespace
 
 void Trainer::save(torch::serialize::OutputArchive& archive) const {
@@ -401,56 +442,83 @@ void Trainer::save(const std::string& path) const {
 }
 
 void Trainer::load(torch::serialize::InputArchive& archive) {
-  // Everything is read and checked before anything changes; the optimizer's own load is the last thing that
-  // can fail, and a failed one is undone.
+  // Everything is read and checked before anything changes; the optimizer's own load (or the copy of a
+  // converted state) is the last thing that can fail, and a failed one is undone.
   c10::IValue version;
   TORCH_CHECK(archive.try_read("memsave_trainer", version) && version.isInt(),
               "Trainer::load: the file is not one that Trainer::save wrote");
   TORCH_CHECK(version.toInt() == kTrainerFileVersion, "Trainer::load: file version ", version.toInt(),
               ", this build reads version ", kTrainerFileVersion);
   const int64_t bits = detail::read_int(archive, "state_bits");
-  TORCH_CHECK(bits == recipe_.state_bits(), "Trainer::load: the file holds ", bits,
-              "-bit optimizer state, this Trainer's recipe keeps ", recipe_.state_bits(), "-bit state");
   const bool scaled = detail::read_bool(archive, "grad_scaling");
-  TORCH_CHECK(scaled == scaler_.has_value(), "Trainer::load: the file's recipe ",
-              scaled ? "scales" : "does not scale", " gradients, this Trainer's ",
-              scaler_ ? "does" : "does not");
-  c10::IValue type;
-  archive.read("optimizer_type", type);
-  TORCH_CHECK(type.isString() && type.toStringRef() == type_name(*optimizer_),
-              "Trainer::load: the file holds the state of ", type.isString() ? type.toStringRef() : "?",
-              ", this Trainer's optimizer is ", type_name(*optimizer_));
+  c10::IValue type_value;
+  archive.read("optimizer_type", type_value);
+  TORCH_CHECK(type_value.isString(), "Trainer::load: the file names no optimizer type");
+  const std::string type = type_value.toStringRef();
+  const bool convert = type != type_name(*optimizer_) || bits != recipe_.state_bits();
 
   torch::serialize::InputArchive model;
   TORCH_CHECK(archive.try_read("model", model), "Trainer::load: the file has no model");
   std::vector<ReadTensor> tensors;
   read_module(*model_, model, "", tensors);
-  std::optional<amp::GradScaler> scaler = scaler_;
-  if (scaler) {
+  // The scaler continues from the file's; a file saved without one starts this Trainer's afresh.
+  std::optional<amp::GradScaler> scaler;
+  if (scaler_ && scaled) {
+    scaler = scaler_;
     torch::serialize::InputArchive inner;
     TORCH_CHECK(archive.try_read("scaler", inner), "Trainer::load: the file has no GradScaler state");
     scaler->serialize(inner);
+  } else if (scaler_) {
+    scaler.emplace();  // as the constructor makes it
   }
   torch::serialize::InputArchive optimizer;
   TORCH_CHECK(archive.try_read("optimizer", optimizer), "Trainer::load: the file has no optimizer state");
-  OptimizerSnapshot snapshot(*optimizer_);
-  try {
-    // NOTE: LibTorch's optimizers keep the state of a parameter that the file has none for; after the load
-    // the state is the file's alone.
-    optimizer_->state().clear();
-    optimizer_->load(optimizer);
-  } catch (...) {
-    snapshot.restore();
-    throw;
+  auto* offload = dynamic_cast<OffloadOptimizer*>(optimizer_.get());
+  if (convert) {
+    // Another format of state (bits, offload): read into an optimizer of the file's type, then converted.
+    // copy_state changes nothing unless it succeeds.
+    std::unique_ptr<torch::optim::Optimizer> file;
+    try {
+      file = file_optimizer(type, bits, optimizer, model_->parameters());
+      if (file != nullptr) {
+        file->load(optimizer);
+        optim::copy_state(*file, *optimizer_);
+      }
+    } catch (const c10::OutOfMemoryError&) {
+      throw;
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "Trainer::load: the file's ", type, " state (", bits, "-bit) does not convert to ",
+                  type_name(*optimizer_), " (", recipe_.state_bits(), "-bit): ", e.msg());
+    }
+    TORCH_CHECK(file != nullptr, "Trainer::load: the file holds the state of ", type,
+                ", which cannot be converted to this Trainer's ", type_name(*optimizer_));
+    // The learning rates go on from the file's; the other hyper-parameters stay this Trainer's.
+    auto& groups = optimizer_->param_groups();
+    if (groups.size() == file->param_groups().size()) {
+      for (size_t g = 0; g < groups.size(); ++g)
+        groups[g].options().set_lr(file->param_groups()[g].options().get_lr());
+    }
+  } else {
+    OptimizerSnapshot snapshot(*optimizer_);
+    try {
+      // NOTE: LibTorch's optimizers keep the state of a parameter that the file has none for; after the load
+      // the state is the file's alone.
+      optimizer_->state().clear();
+      optimizer_->load(optimizer);
+    } catch (...) {
+      snapshot.restore();
+      throw;
+    }
   }
 
   // Commit (copies into tensors of the same shapes: nothing here fails). An offloaded parameter already holds
-  // its master weight, which the optimizer's load copied back.
-  const auto* offload = dynamic_cast<const OffloadOptimizer*>(optimizer_.get());
+  // its master weight, which the optimizer's load copied back; after a conversion the masters are the
+  // model's.
   torch::NoGradGuard no_grad;
   for (const ReadTensor& t : tensors) {
-    if (offload == nullptr || !offload->offloaded(t.into)) t.into.copy_(t.value);
+    if (offload == nullptr || convert || !offload->offloaded(t.into)) t.into.copy_(t.value);
   }
+  if (offload != nullptr && convert) offload->refresh_masters();
   if (scaler) *scaler_ = std::move(*scaler);
 }
 

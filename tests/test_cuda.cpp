@@ -415,8 +415,85 @@ TEST(CudaTrainer, SaveAndLoadResumeExactlyOnCuda) {
     for (size_t i = 0; i < straight->parameters().size(); ++i)
       EXPECT_TRUE(torch::equal(straight->parameters()[i], resumed->parameters()[i])) << i;
     EXPECT_EQ(a.scaler() != nullptr, recipe.scales_gradients());
-    if (a.scaler() != nullptr) EXPECT_EQ(a.scaler()->get_scale(), b.scaler()->get_scale());
+    if (a.scaler() != nullptr) {
+      EXPECT_EQ(a.scaler()->get_scale(), b.scaler()->get_scale());
+    }
   }
+  std::filesystem::remove(file);
+}
+
+TEST(CudaCopyState, ConvertsCudaStateAsItConvertsCpuState) {
+  SKIP_WITHOUT_CUDA();
+  torch::manual_seed(4);
+  const torch::Tensor start = torch::randn({300, 100});
+  const torch::Tensor cpu_param = start.clone().requires_grad_();
+  const torch::Tensor cuda_param = start.to(kCuda).requires_grad_();
+  torch::optim::AdamW cpu_adamw({cpu_param}, torch::optim::AdamWOptions(1e-2));
+  for (int t = 0; t < 3; ++t) {
+    cpu_param.mutable_grad() = torch::randn({300, 100});
+    cpu_adamw.step();
+  }
+  torch::optim::AdamW cuda_adamw({cuda_param}, torch::optim::AdamWOptions(1e-2));
+  optim::copy_state(cpu_adamw, cuda_adamw);  // across devices, exactly
+  const auto& moved = static_cast<const torch::optim::AdamWParamState&>(
+      *cuda_adamw.state().at(cuda_param.unsafeGetTensorImpl()));
+  ASSERT_TRUE(moved.exp_avg().is_cuda());
+  for (const int bits : {8, 4}) {
+    SCOPED_TRACE(std::to_string(bits) + "-bit");
+    std::unique_ptr<optim::LowBitOptimizer> on_cpu, on_cuda;
+    if (bits == 8) {
+      on_cpu = std::make_unique<optim::AdamW8bit>(std::vector<torch::Tensor>{cpu_param});
+      on_cuda = std::make_unique<optim::AdamW8bit>(std::vector<torch::Tensor>{cuda_param});
+    } else {
+      on_cpu = std::make_unique<optim::AdamW4bit>(std::vector<torch::Tensor>{cpu_param});
+      on_cuda = std::make_unique<optim::AdamW4bit>(std::vector<torch::Tensor>{cuda_param});
+    }
+    optim::copy_state(cpu_adamw, *on_cpu);
+    optim::copy_state(cuda_adamw, *on_cuda);
+    const auto& a =
+        static_cast<const optim::QuantizedParamState&>(*on_cpu->state().at(cpu_param.unsafeGetTensorImpl()));
+    const auto& b = static_cast<const optim::QuantizedParamState&>(
+        *on_cuda->state().at(cuda_param.unsafeGetTensorImpl()));
+    ASSERT_TRUE(b.m().is_cuda() && b.absmax_v().is_cuda());
+    EXPECT_TRUE(torch::equal(a.m(), b.m().cpu()) && torch::equal(a.v(), b.v().cpu()));
+    EXPECT_TRUE(torch::equal(a.absmax_m(), b.absmax_m().cpu()) &&
+                torch::equal(a.absmax_v(), b.absmax_v().cpu()));
+    // Back into fp32 on the device: the dequantized state, on the device.
+    torch::optim::AdamW back({cuda_param}, torch::optim::AdamWOptions(1e-2));
+    optim::copy_state(*on_cuda, back);
+    const auto& s =
+        static_cast<const torch::optim::AdamWParamState&>(*back.state().at(cuda_param.unsafeGetTensorImpl()));
+    EXPECT_TRUE(s.exp_avg().is_cuda());
+    EXPECT_TRUE(torch::equal(s.exp_avg().cpu(), on_cpu->state_fp32(cpu_param)[0]));
+  }
+}
+
+TEST(CudaCopyState, TheTrainerConvertsAFileReadIntoHostMemory) {
+  SKIP_WITHOUT_CUDA();
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  torch::manual_seed(5);
+  const torch::Tensor x = torch::randn({32, 512}, kCuda);
+  const torch::Tensor y = torch::randint(10, {32}, torch::TensorOptions(kCuda).dtype(torch::kLong));
+  const std::string file = (std::filesystem::temp_directory_path() / "memsave_cuda_convert.pt").string();
+  auto saved = cuda_mlp();
+  Trainer a(saved, adamw(1e-3), Recipe());
+  a.step(x, y, ce);
+  a.save(file);
+  auto resumed = cuda_mlp();
+  Trainer b(resumed, adamw(1e-3), Recipe().state_bits(8));
+  torch::serialize::InputArchive archive;
+  archive.load_from(file, torch::kCPU);
+  b.load(archive);
+  for (size_t i = 0; i < saved->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(saved->parameters()[i], resumed->parameters()[i])) << i;
+  for (const auto& entry : b.optimizer().state()) {
+    const auto& s = static_cast<const optim::QuantizedParamState&>(*entry.second);
+    EXPECT_TRUE(s.m().is_cuda());
+    EXPECT_EQ(s.step(), 1);
+  }
+  EXPECT_TRUE(b.step(x, y, ce).stepped);
   std::filesystem::remove(file);
 }
 

@@ -599,6 +599,34 @@ TEST(Offload, SaveAndLoadResumeExactly) {
   }
 }
 
+TEST(Offload, RefreshedMastersTakeUpWeightsSetOutsideTheOptimizer) {
+  // Weights loaded into the model after the optimizer was made: refreshed, the masters step from them, as an
+  // optimizer made after the load does; not refreshed, the next step writes the old masters back.
+  for (const bool refresh : {true, false}) {
+    auto net = model();
+    OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-2).state_bits(8));
+    train(net, opt, 2);
+    torch::manual_seed(9);
+    auto loaded = tnn::Sequential(tnn::Linear(64, 128), tnn::Tanh(), tnn::Linear(128, 128), tnn::Tanh(),
+                                  tnn::Linear(128, 8));
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < net->parameters().size(); ++i)
+        net->parameters()[i].copy_(loaded->parameters()[i]);
+    }
+    if (refresh) opt.refresh_masters();
+    OffloadOptimizer reference(loaded->parameters(), OffloadOptimizerOptions(1e-2).state_bits(8));
+    optim::copy_state(opt, reference);  // the same moments
+    train(net, opt, 1);
+    train(loaded, reference, 1);
+    if (refresh) {
+      expect_same_parameters(net, loaded);
+    } else {
+      EXPECT_FALSE(torch::equal(net->parameters()[2], loaded->parameters()[2]));
+    }
+  }
+}
+
 TEST(Offload, ParametersWithoutGradientsAreLeftAlone) {
   auto net = model();
   OffloadOptimizer opt(net->parameters());

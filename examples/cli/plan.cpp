@@ -114,6 +114,9 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
         << (plan.candidates.front().status == Candidate::Status::kFits ? "the baseline"
                                                                        : "the fastest that fits")
         << "\n  " << c.recipe.to_cpp() << "\n";
+    if (c.recipe.state_bits() != 32 || c.recipe.offload() != Offload::kNone)
+      out << "  (a run saved by Trainer::save resumes under it: Trainer::load converts the optimizer "
+             "state)\n";
   } else if (plan.closest_miss) {
     const Candidate& c = plan.candidates[*plan.closest_miss];
     out << "nothing fits. Closest: " << c.recipe.label() << ", predicted " << format_bytes(c.predicted)

@@ -88,8 +88,14 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// memory while the first step creates the state, leaves parameters and state as they were.
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
-  /// Loads what `save` wrote; a file for other parameters is an error that changes nothing.
+  /// Loads what `save` wrote: master weights, state and the hyper-parameters (lr, betas, eps, weight_decay;
+  /// the other options stay this optimizer's). A file for other parameters is an error that changes nothing.
   void load(torch::serialize::InputArchive& archive) override;
+
+  /// Copies the parameters into the fp32 master weights, for parameters set outside the optimizer (weights
+  /// loaded into the model), which the next step would otherwise overwrite with the masters. Forgets the
+  /// backwards since the last step, as `discard_backward` does.
+  void refresh_masters();
 
   /// The state kept on the device (the small tensors' on-device AdamW), for the meter; the host-side state is
   /// in `host_state_tensors`.
@@ -121,6 +127,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   struct BackwardCopies;  ///< the hooks' shared state (src/offload.cpp)
 
  private:
+  friend struct optim::detail::StateAccess;
   struct Offloaded {
     torch::Tensor param;   ///< on the device
     torch::Tensor master;  ///< fp32, host arena; the inner optimizer's parameter
@@ -137,6 +144,9 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
     }
   };
   void sync_hyper_parameters();
+  /// Records which masters have their state, so that the next backward may step them
+  /// (`step_during_backward`): after a step and whenever the state is replaced.
+  void update_can_step();
   /// Steps the masters of `which` (indices into offloaded_) and copies them back into their parameters.
   void step_masters(const std::vector<size_t>& which);
   /// Steps master `i` alone and copies it back; `beside`: on the host thread of `step_during_backward`.

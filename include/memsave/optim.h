@@ -29,6 +29,10 @@
 
 namespace memsave::optim {
 
+namespace detail {
+struct StateAccess;  ///< what copy_state reads and writes of memsave's optimizers (src/copy_state.cpp)
+}  // namespace detail
+
 using betas_t = std::tuple<double, double>;
 
 struct Adam8bitOptions : torch::optim::OptimizerCloneableOptions<Adam8bitOptions> {
@@ -236,6 +240,7 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   static void check(const Hyper& h, Kind kind);
 
  private:
+  friend struct detail::StateAccess;
   torch::Tensor step_impl(LossClosure closure, const torch::Tensor& inv_scale);
   Kind kind_;
   int bits_;  ///< of quantized state: 8 or 4
@@ -308,5 +313,20 @@ class AdamW4bit : public LowBitOptimizer {
  protected:
   Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
 };
+
+/// Copies `from`'s optimizer state into `to`, converting it to what `to` keeps: fp32, 8-bit or 4-bit, on the
+/// device or offloaded (a run resumed with less memory, or moved back to fp32 state). The i-th parameter of
+/// `from`'s groups gives its moments and step count to the i-th of `to`'s; shapes must agree, devices and
+/// dtypes need not. Both optimizers must follow one rule: Adam and AdamW (whose moments mean the same), among
+/// torch::optim::Adam, torch::optim::AdamW, memsave's Adam and AdamW with 8- or 4-bit state and
+/// memsave::OffloadOptimizer; SGD with momentum (torch::optim::SGD, SGD8bit); Lion (Lion8bit). `to` quantizes
+/// each tensor as its own step would (its block size and size thresholds) to the nearest codes; state already
+/// in `to`'s format (fp32 into fp32, codes into codes of the same bits and block size) is copied exactly.
+/// What `to` held before is replaced: a parameter without state in `from` has none after. Hyper-parameters
+/// (learning rate included) and an OffloadOptimizer's master weights stay `to`'s. A torch::optim::SGD buffer
+/// becomes state of step 1 (SGD's update does not depend on the count). Anything that does not fit (other
+/// shapes or rules, AMSGrad's extra moment, SGD without momentum into which nothing can go) is an error
+/// before `to` changes, and so is running out of memory: the new state is built before the old is released.
+void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to);
 
 }  // namespace memsave::optim

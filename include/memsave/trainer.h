@@ -141,11 +141,18 @@ class Trainer {
   void save(const std::string& path) const;
   void save(torch::serialize::OutputArchive& archive) const;
   /// Reads what `save` wrote; the steps that follow are those the saving Trainer would have taken. The recipe
-  /// may differ in what does not touch that state (micro-batches, checkpointing, autocast, clipping) but not
-  /// in the optimizer state's bits, its offload, or gradient scaling; the model must have the same parameters
-  /// and buffers. A file that does not fit, or is missing or corrupt, is an error that leaves model,
-  /// optimizer and scaler as they were. Tensors are read onto the model's device (with an offloading
-  /// optimizer, where they were saved: its host state stays in host memory).
+  /// may differ in what does not touch that state (micro-batches, checkpointing, autocast, clipping); the
+  /// model must have the same parameters and buffers. A recipe with other optimizer state (its bits, its
+  /// offload) converts the file's as memsave::optim::copy_state does (fp32 moments to the nearest 8- or
+  /// 4-bit codes, codes to fp32, the step counts kept, the file's learning rate), so a run resumes under a
+  /// recipe that needs less memory without restarting its moments (then its steps are no longer those the
+  /// saving Trainer would have taken, only near them); the rule must agree (AdamW and Adam, SGD). A
+  /// GradScaler continues from the file's, or starts afresh when the file has none. A file that does not fit,
+  /// or is missing or corrupt, is an error that leaves model, optimizer and scaler as they were. Tensors are
+  /// read onto the model's device (with an offloading optimizer, where they were saved: its host state stays
+  /// in host memory); to convert a state that does not fit the device as it was saved, open the archive on
+  /// the CPU (`archive.load_from(path, torch::kCPU)`) and pass it: only the converted state goes to the
+  /// device.
   void load(const std::string& path);
   void load(torch::serialize::InputArchive& archive);
 

@@ -416,6 +416,63 @@ TEST(StepQuantized, VectorDequantizeIsTheTableLookUp) {
   }
 }
 
+TEST(QuantizeBlocks, IsTheScalarRuleAndWhatAStepLeaves) {
+  // Blocks of normal values, tiny ones, zeros, a NaN and an infinity; an odd tail for the 4-bit packing.
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const int bits : {8, 4}) {
+    for (const std::int64_t block : {64, 256, 4096}) {
+      const std::int64_t n = 5 * block + 37;
+      std::vector<float> values(n);
+      for (std::int64_t i = 0; i < n; ++i) values[i] = normal(rng) * (i < block ? 1.0f : 1e-3f);
+      for (std::int64_t i = block; i < 2 * block; ++i) values[i] *= 1e-30f;  // subnormal products
+      for (std::int64_t i = 2 * block; i < 3 * block; ++i) values[i] = 0.0f;
+      values[3 * block + 5] = NAN;
+      values[4 * block + 1] = -INFINITY;
+      const std::int64_t blocks = (n + block - 1) / block;
+      for (const CodeBook* book : {&signed_code_book(bits), &unsigned_code_book(bits)}) {
+        SCOPED_TRACE(std::to_string(bits) + "-bit " + (book->is_signed ? "signed" : "unsigned") +
+                     " book, block " + std::to_string(block));
+        std::vector<float> input = values;
+        if (!book->is_signed)
+          for (float& x : input) x = std::fabs(x);
+        QuantizedState out(n, block, bits);
+        quantize_blocks_cpu(*book, bits, input.data(), n, block, out.m.data(), out.absmax_m.data(), 0,
+                            blocks);
+        for (std::int64_t b = 0; b < blocks; ++b) {
+          float largest = 0;
+          bool nan = false;
+          for (std::int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) {
+            nan = nan || std::isnan(input[i]);
+            largest = std::max(largest, std::fabs(input[i]));
+          }
+          if (nan) {
+            ASSERT_TRUE(std::isnan(out.absmax_m[b])) << "block " << b;
+          } else {
+            ASSERT_EQ(out.absmax_m[b], largest) << "block " << b;
+          }
+          const float scale = block_scale(out.absmax_m[b]);
+          for (std::int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) {
+            ASSERT_EQ(out.get(out.m, i), quantize(*book, input[i] * scale)) << "element " << i;
+          }
+        }
+      }
+      // SGD's first step sets the momentum buffer to the gradient: the step's state is the gradient
+      // quantized.
+      std::vector<float> grad = values, param(n, 0.0f);
+      grad[3 * block + 5] = 1.0f, grad[4 * block + 1] = -2.0f;  // finite, so that the step is defined
+      QuantizedState stepped(n, block, bits);
+      const StepScalars k = make_step_scalars(Rule::kSgd, 0.1, 0.9, 0, 0, 0, 1);
+      step_quantized_cpu(stepped.step(param.data(), grad.data(), n, block, Rule::kSgd, k), 0, blocks);
+      QuantizedState direct(n, block, bits);
+      quantize_blocks_cpu(signed_code_book(bits), bits, grad.data(), n, block, direct.m.data(),
+                          direct.absmax_m.data(), 0, blocks);
+      EXPECT_EQ(direct.m, stepped.m);
+      EXPECT_EQ(direct.absmax_m, stepped.absmax_m);
+    }
+  }
+}
+
 /// Storage values of type T (bf16 or fp16 bits): mostly N(0, scale), and every special kind of value.
 template <typename T>
 std::vector<T> storage_values(std::int64_t n, float scale, unsigned seed) {
