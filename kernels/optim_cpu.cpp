@@ -6,17 +6,20 @@
 
 namespace memsave::kernels {
 
-#define MEMSAVE_DECLARE_ISA(isa)                                                                    \
-  namespace isa {                                                                                   \
-  void step32(const Step32& step, std::int64_t begin, std::int64_t end);                            \
-  void step_quantized(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end); \
-  void quantize(const VectorBook& book, const float* values, float scale, std::uint8_t* codes,      \
-                std::int64_t n);                                                                    \
-  void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out,      \
-                  std::int64_t n);                                                                  \
-  void quantize_blocks(const VectorBook& book, int bits, const float* values, std::int64_t n,       \
-                       std::int64_t block_size, std::uint8_t* codes, float* absmax,                 \
-                       std::int64_t block_begin, std::int64_t block_end);                           \
+#define MEMSAVE_DECLARE_ISA(isa)                                                                           \
+  namespace isa {                                                                                          \
+  void step32(const Step32& step, std::int64_t begin, std::int64_t end);                                   \
+  void step_quantized(const StepQuantized& step, std::int64_t block_begin, std::int64_t block_end);        \
+  void quantize(const VectorBook& book, const float* values, float scale, std::uint8_t* codes,             \
+                std::int64_t n);                                                                           \
+  void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out,             \
+                  std::int64_t n);                                                                         \
+  void quantize_blocks(const VectorBook& book, int bits, const float* values, std::int64_t n,              \
+                       std::int64_t block_size, std::uint8_t* codes, float* absmax,                        \
+                       std::int64_t block_begin, std::int64_t block_end);                                  \
+  void dequantize_blocks(const VectorBook& book, int bits, const std::uint8_t* codes, const float* absmax, \
+                         std::int64_t n, std::int64_t block_size, float* out, std::int64_t block_begin,    \
+                         std::int64_t block_end);                                                          \
   }
 MEMSAVE_DECLARE_ISA(baseline)
 #if defined(__x86_64__)
@@ -129,6 +132,14 @@ void quantize_blocks_cpu(const CodeBook& book, int bits, const float* values, st
                          std::int64_t block_begin, std::int64_t block_end) {
   VectorBook scratch;
   MEMSAVE_DISPATCH(quantize_blocks, vector_of(book, scratch), bits, values, n, block_size, codes, absmax,
+                   block_begin, block_end);
+}
+
+void dequantize_blocks_cpu(const CodeBook& book, int bits, const std::uint8_t* codes, const float* absmax,
+                           std::int64_t n, std::int64_t block_size, float* out, std::int64_t block_begin,
+                           std::int64_t block_end) {
+  VectorBook scratch;
+  MEMSAVE_DISPATCH(dequantize_blocks, vector_of(book, scratch), bits, codes, absmax, n, block_size, out,
                    block_begin, block_end);
 }
 

@@ -74,6 +74,12 @@ void quantize_blocks_cpu(const CodeBook& book, int bits, const float* values, st
                          std::int64_t block_size, std::uint8_t* codes, float* absmax,
                          std::int64_t block_begin, std::int64_t block_end);
 
+/// The inverse: for each block b in [block_begin, block_end), out = book.code[its codes] * absmax[b], as the
+/// step kernels dequantize (codes stored as code_bytes says for `bits`).
+void dequantize_blocks_cpu(const CodeBook& book, int bits, const std::uint8_t* codes, const float* absmax,
+                           std::int64_t n, std::int64_t block_size, float* out, std::int64_t block_begin,
+                           std::int64_t block_end);
+
 /// out[i] = book.code[codes[i]] * absmax, with the vector code of the step kernels (tests, benchmarks).
 void dequantize_cpu(const CodeBook& book, const std::uint8_t* codes, float absmax, float* out,
                     std::int64_t n);

@@ -454,6 +454,20 @@ void quantize(const VectorBook& book, const float* values, float scale, std::uin
 void dequantize(const VectorBook& book, const std::uint8_t* codes, float absmax, float* out, std::int64_t n) {
   dequantize_run(book, codes, absmax, out, n);
 }
+void dequantize_blocks(const VectorBook& book, int bits, const std::uint8_t* codes, const float* absmax,
+                       std::int64_t n, std::int64_t block_size, float* out, std::int64_t block_begin,
+                       std::int64_t block_end) {
+  alignas(64) std::uint8_t scratch[kMaxBlock];
+  for (std::int64_t b = block_begin; b < block_end; ++b) {
+    const std::int64_t offset = b * block_size;
+    const std::int64_t count = std::min(block_size, n - offset);
+    if (bits == 4) {
+      dequantize_block<4>(book, codes, offset, absmax[b], out + offset, count, scratch);
+    } else {
+      dequantize_block<8>(book, codes, offset, absmax[b], out + offset, count, scratch);
+    }
+  }
+}
 void quantize_blocks(const VectorBook& book, int bits, const float* values, std::int64_t n,
                      std::int64_t block_size, std::uint8_t* codes, float* absmax, std::int64_t block_begin,
                      std::int64_t block_end) {

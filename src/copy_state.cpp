@@ -59,6 +59,7 @@ struct Read {
   int64_t step = 0;
   torch::Tensor m, v;
   const QuantizedParamState* quantized = nullptr;
+  bool fresh = false;  ///< m and v are new tensors (not the source's), which the target may keep
 };
 
 struct StateAccess {
@@ -162,6 +163,7 @@ struct StateAccess {
         r.step = state.step(), r.m = moments.at(0).reshape(s.param.sizes());
         if (moments.size() > 1) r.v = moments[1].reshape(s.param.sizes());
         if (state.quantized()) r.quantized = &state;
+        r.fresh = true;  // state_fp32 returns copies
         break;
       }
     }
@@ -193,7 +195,13 @@ struct StateAccess {
   static std::unique_ptr<torch::optim::OptimizerParamState> build(const Slot& s, const Read& r,
                                                                   StateRule rule) {
     const torch::Tensor& p = s.param;
-    const auto like = [&](const torch::Tensor& t) {  // a new tensor: the copy never aliases `from`'s state
+    // Tensors of `to`'s own: a copy never aliases `from`'s state, but fresh moments where they fit are kept.
+    const auto keep = [&](const torch::Tensor& t, torch::ScalarType dtype) {
+      return r.fresh && !s.host_arena && t.device() == s.key.device() && t.scalar_type() == dtype &&
+             t.is_contiguous();
+    };
+    const auto like = [&](const torch::Tensor& t) {
+      if (keep(t, p.scalar_type())) return t;
       return t.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
     };
     switch (s.form) {
@@ -225,6 +233,7 @@ struct StateAccess {
     state->step(r.step);
     if (!quantized) {
       const auto flat = [&](const torch::Tensor& t) {
+        if (keep(t, torch::kFloat)) return t.reshape({-1});
         return t.reshape({-1}).to(s.key.device(), torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
       };
       state->m(flat(r.m));

@@ -66,6 +66,18 @@ torch::Tensor unpacked_codes(const torch::Tensor& codes, int64_t bits, int64_t n
 torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& codes, int64_t bits,
                                const torch::Tensor& absmax, int64_t block, torch::IntArrayRef shape) {
   const int64_t numel = c10::multiply_integers(shape);
+  if (codes.is_cpu()) {  // the step kernels' own dequantization, on all threads
+    torch::Tensor out = torch::empty(shape, torch::kFloat);
+    const torch::Tensor packed = codes.contiguous(), scales = absmax.contiguous();
+    const uint8_t* c = packed.data_ptr<uint8_t>();
+    const float* a = scales.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, blocks_of(numel, block), std::max<int64_t>(1, 32768 / block),
+                     [&](int64_t b, int64_t e) {
+                       k::dequantize_blocks_cpu(book, static_cast<int>(bits), c, a, numel, block, o, b, e);
+                     });
+    return out;
+  }
   const torch::Tensor values = book_tensor(book, codes.device()).index({unpacked_codes(codes, bits, numel)});
   const torch::Tensor scale = absmax.repeat_interleave(block).narrow(0, 0, numel);
   return (values * scale).reshape(shape);

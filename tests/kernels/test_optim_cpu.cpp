@@ -416,7 +416,7 @@ TEST(StepQuantized, VectorDequantizeIsTheTableLookUp) {
   }
 }
 
-TEST(QuantizeBlocks, IsTheScalarRuleAndWhatAStepLeaves) {
+TEST(QuantizeBlocks, AreTheScalarRuleAndWhatAStepLeaves) {
   // Blocks of normal values, tiny ones, zeros, a NaN and an infinity; an odd tail for the 4-bit packing.
   std::mt19937 rng(5);
   std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -455,6 +455,14 @@ TEST(QuantizeBlocks, IsTheScalarRuleAndWhatAStepLeaves) {
           for (std::int64_t i = b * block; i < std::min(n, (b + 1) * block); ++i) {
             ASSERT_EQ(out.get(out.m, i), quantize(*book, input[i] * scale)) << "element " << i;
           }
+        }
+        // And back: each code's value times its block's absmax.
+        std::vector<float> back(n);
+        dequantize_blocks_cpu(*book, bits, out.m.data(), out.absmax_m.data(), n, block, back.data(), 0,
+                              blocks);
+        for (std::int64_t i = 0; i < n; ++i) {
+          const float expected = book->code[out.get(out.m, i)] * out.absmax_m[i / block];
+          ASSERT_EQ(bit_cast<std::uint32_t>(back[i]), bit_cast<std::uint32_t>(expected)) << "element " << i;
         }
       }
       // SGD's first step sets the momentum buffer to the gradient: the step's state is the gradient
