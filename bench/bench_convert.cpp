@@ -2,14 +2,14 @@
 // threads LibTorch is given (2 by default), against what LibTorch offers for moving one optimizer's state
 // into another: saving it to an archive in memory and loading that. And the machine's copy bandwidth, for the
 // floor. bench/run_convert_bench.sh runs it and writes the table of bench/RESULTS-convert.md.
+#include "benchmark_main.h"
+
 #include <memsave/memory.h>
 #include <memsave/optim.h>
 
-#include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
 
-#include <cstdlib>
 #include <memory>
 #include <sstream>
 
@@ -98,12 +98,4 @@ BENCHMARK(BM_CopyState8bitToFp32)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  memsave::install_meter();
-  const char* threads = std::getenv("MEMSAVE_BENCH_THREADS");
-  at::set_num_threads(threads != nullptr ? std::atoi(threads) : 2);
-  benchmark::Initialize(&argc, argv);
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return memsave::bench::run_benchmarks(argc, argv); }

@@ -2,14 +2,13 @@
 // LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
 // memsave's fused fp32 AdamW, its 8-bit AdamW and its 4-bit AdamW; and the machine's memory bandwidth, for
 // the floor. bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
+#include "benchmark_main.h"
+
 #include <memsave/memory.h>
 #include <memsave/optim.h>
 
-#include <ATen/Parallel.h>
 #include <benchmark/benchmark.h>
 #include <torch/torch.h>
-
-#include <cstdlib>
 
 namespace {
 
@@ -121,13 +120,4 @@ BENCHMARK(BM_MemsaveAdamW4bit)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  memsave::install_meter();
-  const char* threads = std::getenv("MEMSAVE_BENCH_THREADS");
-  at::set_num_threads(threads != nullptr ? std::atoi(threads) : 2);
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  return 0;
-}
+int main(int argc, char** argv) { return memsave::bench::run_benchmarks(argc, argv); }

@@ -4,6 +4,7 @@
 #include <memsave/optim.h>
 
 #include "../kernels/qmap.h"
+#include "saved_state.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -20,6 +21,7 @@ namespace memsave::optim {
 namespace {
 
 namespace k = memsave::kernels;
+using memsave::testing::saved_bytes;
 using Params = std::vector<torch::Tensor>;
 using Make = std::function<std::unique_ptr<torch::optim::Optimizer>(const Params&)>;
 
@@ -316,15 +318,6 @@ TEST(CopyState, AnOffloadingTargetStepsDuringTheBackwardWhatItWasGiven) {
   expect_equal(during, at_step, "stepped during the backward");
 }
 
-/// Everything an optimizer's save writes: equal archives mean equal state and options.
-std::string saved(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive archive;
-  opt.save(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
 TEST(CopyStateErrors, WhatDoesNotFitChangesNothing) {
   const Params a = make_params(6);
   auto adamw_source = adamw()(a);
@@ -332,7 +325,7 @@ TEST(CopyStateErrors, WhatDoesNotFitChangesNothing) {
   const Params b = clone(a);
   auto target = adamw8()(b);
   train(*target, b, 1, 1);
-  const std::string before = saved(*target);
+  const std::string before = saved_bytes(*target);
   auto expect_refused = [&](const torch::optim::Optimizer& from, const std::string& says) {
     SCOPED_TRACE(says);
     try {
@@ -341,7 +334,7 @@ TEST(CopyStateErrors, WhatDoesNotFitChangesNothing) {
     } catch (const c10::Error& e) {
       EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
     }
-    EXPECT_EQ(saved(*target), before);
+    EXPECT_EQ(saved_bytes(*target), before);
   };
   const Params c = clone(a);
   torch::optim::SGD sgd(c, torch::optim::SGDOptions(0.1).momentum(0.9));
@@ -365,13 +358,13 @@ TEST(CopyStateErrors, WhatDoesNotFitChangesNothing) {
     ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + 20000);
     EXPECT_THROW(copy_state(*adamw_source, *target), c10::OutOfMemoryError);
   }
-  EXPECT_EQ(saved(*target), before);
+  EXPECT_EQ(saved_bytes(*target), before);
   // Into SGD without momentum, which has nowhere to keep it.
   torch::optim::SGD plain(clone(a), torch::optim::SGDOptions(0.1));
   EXPECT_THROW(copy_state(sgd, plain), c10::Error);
   // And a copy that fits still works after all that.
   EXPECT_NO_THROW(copy_state(*adamw_source, *target));
-  EXPECT_NE(saved(*target), before);
+  EXPECT_NE(saved_bytes(*target), before);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include <memsave/optim.h>
 
 #include "kernels/golden.h"
+#include "saved_state.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -18,6 +19,7 @@ namespace memsave::optim {
 namespace {
 
 using memsave::testing::golden;
+using memsave::testing::saved_bytes;
 
 torch::Tensor from_vector(const std::vector<float>& v) {
   return torch::from_blob(const_cast<float*>(v.data()), {static_cast<int64_t>(v.size())}, torch::kFloat)
@@ -216,14 +218,6 @@ std::string message(Call&& call) {
   return "(accepted)";
 }
 
-std::string saved(const torch::optim::Optimizer& opt) {
-  torch::serialize::OutputArchive archive;
-  opt.save(archive);
-  std::ostringstream out;
-  archive.save_to(out);
-  return out.str();
-}
-
 void load(torch::optim::Optimizer& opt, const std::string& bytes) {
   torch::serialize::InputArchive archive;
   std::istringstream in(bytes);
@@ -241,7 +235,7 @@ TEST(EightBit, SaveAndLoadRoundTripExactly) {
     a.step();
   }
   AdamW8bit b(std::vector<torch::Tensor>{p, q}, AdamW8bitOptions(5e-2).weight_decay(0.5).block_size(128));
-  load(b, saved(a));
+  load(b, saved_bytes(a));
   using O = AdamW8bitOptions;
   EXPECT_TRUE(static_cast<const O&>(b.param_groups()[0].options()) ==
               static_cast<const O&>(a.param_groups()[0].options()));  // the options come back too
@@ -266,14 +260,14 @@ TEST(EightBit, MismatchedOrCorruptFilesLeaveTheOptimizerUnchanged) {
   AdamW8bit source(std::vector<torch::Tensor>{p});
   p.mutable_grad() = torch::randn_like(p);
   source.step();
-  const std::string file = saved(source);
+  const std::string file = saved_bytes(source);
 
   auto other = torch::randn({5000}).requires_grad_();
   AdamW8bit target(std::vector<torch::Tensor>{other});
   other.mutable_grad() = torch::randn_like(other);
   target.step();
-  const std::string before = saved(target);
-  auto unchanged = [&] { EXPECT_EQ(saved(target), before); };
+  const std::string before = saved_bytes(target);
+  auto unchanged = [&] { EXPECT_EQ(saved_bytes(target), before); };
 
   auto different_shape = torch::randn({4000}).requires_grad_();
   AdamW8bit shaped(std::vector<torch::Tensor>{different_shape});
@@ -381,7 +375,7 @@ TEST(FourBit, SaveAndLoadRoundTripExactlyAndRefuseEightBitFiles) {
     q.mutable_grad() = torch::randn_like(q);
     a.step();
   }
-  const std::string file = saved(a);
+  const std::string file = saved_bytes(a);
   AdamW4bit b(std::vector<torch::Tensor>{p, q}, AdamW4bitOptions(5e-2));
   load(b, file);
   EXPECT_TRUE(static_cast<const AdamW4bitOptions&>(b.param_groups()[0].options()) ==
@@ -398,9 +392,9 @@ TEST(FourBit, SaveAndLoadRoundTripExactlyAndRefuseEightBitFiles) {
   p.mutable_grad() = torch::randn_like(p);
   q.mutable_grad() = torch::randn_like(q);
   eight.step();
-  const std::string eight_file = saved(eight), four_before = saved(b);
+  const std::string eight_file = saved_bytes(eight), four_before = saved_bytes(b);
   EXPECT_NE(message([&] { load(b, eight_file); }).find("state of AdamW8bit"), std::string::npos);
-  EXPECT_EQ(saved(b), four_before);
+  EXPECT_EQ(saved_bytes(b), four_before);
   EXPECT_NE(message([&] { load(eight, file); }).find("state of AdamW4bit"), std::string::npos);
   Adam4bit adam(std::vector<torch::Tensor>{p, q});
   EXPECT_NE(message([&] { load(adam, file); }).find("state of AdamW4bit"), std::string::npos);
