@@ -1,14 +1,15 @@
 // An existing LibTorch training loop, before and after memsave: the same model, data and seed, first as
 // written, then with every technique — micro-batches with the loss normalized over the window, bf16 autocast,
 // checkpointing, 8-bit optimizer state, gradient clipping — first with the individual wrappers, then through
-// the Trainer in a few lines, which it then saves and resumes. Prints each loop's losses and step peak
-// (memsave's meter).
+// the Trainer in a few lines, which it then saves and resumes, as it was and under 4-bit state (the file's
+// 8-bit state converted). Prints each loop's losses and step peak (memsave's meter).
 //
 //   build/examples/wrap_training_loop [--steps N]
 #include <memsave/memsave.h>
 
 #include <torch/torch.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -120,7 +121,6 @@ int main(int argc, char** argv) {
     auto net = make_model();
     memsave::Trainer resumed(net, memsave::adamw(1e-3), recipe);
     resumed.load(file);
-    std::filesystem::remove(file);
     memsave::StepStats stats;
     for (int step = steps; step < steps + 2; ++step) {
       const Data d = batch(step);
@@ -130,6 +130,26 @@ int main(int argc, char** argv) {
     if (stats.loss != next_loss) {
       std::fprintf(stderr, "the resumed Trainer's loss %.9g differs from the saving one's %.9g\n", stats.loss,
                    next_loss);
+      return 1;
+    }
+  }
+  {
+    // A recipe with other optimizer state (here 4-bit, as memsave rescue might recommend after an
+    // out-of-memory) resumes from the same file: the state is converted, moments and step counts kept, so the
+    // run goes on near the saved one's course instead of restarting its moments.
+    auto net = make_model();
+    memsave::Trainer resumed(net, memsave::adamw(1e-3), memsave::Recipe(recipe).state_bits(4));
+    resumed.load(file);
+    std::filesystem::remove(file);
+    memsave::StepStats stats;
+    for (int step = steps; step < steps + 2; ++step) {
+      const Data d = batch(step);
+      stats = resumed.step(d.x, d.y, loss_fn);
+      report("Trainer: resumed under 4-bit state", step, stats.loss, stats.peak_bytes);
+    }
+    if (!(std::abs(stats.loss - next_loss) <= 0.005 * next_loss)) {
+      std::fprintf(stderr, "resumed under 4-bit state, the loss %.9g is not within 0.5%% of %.9g\n",
+                   stats.loss, next_loss);
       return 1;
     }
   }
