@@ -16,6 +16,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <optional>
 #include <string>
 #include <typeinfo>
@@ -53,12 +54,14 @@ struct Slot {
   bool host_arena = false;  ///< an OffloadOptimizer's host state: allocated in memsave's host arena
 };
 
-/// One parameter's state as read: fp32 moments of the parameter's shape, and the codes themselves when the
-/// state is quantized (so that a target of the same format can take them as they are).
+/// One parameter's state as read: fp32 moments of the parameter's shape, or for quantized state its codes,
+/// which a target of the same format takes as they are and any other dequantizes (`moments`).
 struct Read {
   int64_t step = 0;
-  torch::Tensor m, v;
+  torch::Tensor m, v;  ///< undefined for quantized state until `moments` is called
   const QuantizedParamState* quantized = nullptr;
+  const LowBitOptimizer* source = nullptr;  ///< holding `quantized`, under `source_key`
+  torch::Tensor source_key;
   bool fresh = false;  ///< m and v are new tensors (not the source's), which the target may keep
 };
 
@@ -158,16 +161,27 @@ struct StateAccess {
       }
       case Form::kLowBit: {
         const auto& state = static_cast<const QuantizedParamState&>(*it->second);
-        const std::vector<torch::Tensor> moments =
-            static_cast<const LowBitOptimizer&>(*s.owner).state_fp32(s.key);
-        r.step = state.step(), r.m = moments.at(0).reshape(s.param.sizes());
-        if (moments.size() > 1) r.v = moments[1].reshape(s.param.sizes());
-        if (state.quantized()) r.quantized = &state;
-        r.fresh = true;  // state_fp32 returns copies
+        r.step = state.step();
+        if (state.quantized()) {
+          r.quantized = &state, r.source = &static_cast<const LowBitOptimizer&>(*s.owner),
+          r.source_key = s.key;
+        } else {
+          r.m = fp32(state.m());
+          if (state.v().defined()) r.v = fp32(state.v());
+        }
         break;
       }
     }
     return r;
+  }
+
+  /// Dequantizes a quantized state that was read, the first time a target needs its fp32 moments.
+  static void moments(Read& r, const torch::Tensor& param) {
+    if (r.m.defined()) return;
+    const std::vector<torch::Tensor> fp32 = r.source->state_fp32(r.source_key);
+    r.m = fp32.at(0).reshape(param.sizes());
+    if (fp32.size() > 1) r.v = fp32[1].reshape(param.sizes());
+    r.fresh = true;  // state_fp32 returns new tensors
   }
 
   /// `values` (fp32) as blockwise codes of `bits` and their absmaxes, computed on the CPU and placed on `on`.
@@ -192,8 +206,7 @@ struct StateAccess {
   }
 
   /// `to`'s state for slot `s` from what was read: as `to`'s own step would create it, but holding `r`.
-  static std::unique_ptr<torch::optim::OptimizerParamState> build(const Slot& s, const Read& r,
-                                                                  StateRule rule) {
+  static std::unique_ptr<torch::optim::OptimizerParamState> build(const Slot& s, Read& r, StateRule rule) {
     const torch::Tensor& p = s.param;
     // Tensors of `to`'s own: a copy never aliases `from`'s state, but fresh moments where they fit are kept.
     const auto keep = [&](const torch::Tensor& t, torch::ScalarType dtype) {
@@ -204,6 +217,7 @@ struct StateAccess {
       if (keep(t, p.scalar_type())) return t;
       return t.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
     };
+    if (s.form != Form::kLowBit) moments(r, p);
     switch (s.form) {
       case Form::kTorchAdamW: {
         auto state = std::make_unique<torch::optim::AdamWParamState>();
@@ -231,6 +245,17 @@ struct StateAccess {
     const bool second = rule == StateRule::kAdam;
     auto state = std::make_unique<QuantizedParamState>();
     state->step(r.step);
+    const QuantizedParamState* q = r.quantized;
+    if (quantized && q != nullptr && q->bits() == o.bits() && q->block_size() == h.block_size) {
+      const auto copy = [&](const torch::Tensor& t) {  // the codes as they are
+        return t.to(on.device(), /*non_blocking=*/false, /*copy=*/true);
+      };
+      state->block_size(h.block_size).bits(o.bits());
+      state->m(copy(q->m())).absmax_m(copy(q->absmax_m()));
+      if (second) state->v(copy(q->v())).absmax_v(copy(q->absmax_v()));
+      return state;
+    }
+    moments(r, p);
     if (!quantized) {
       const auto flat = [&](const torch::Tensor& t) {
         if (keep(t, torch::kFloat)) return t.reshape({-1});
@@ -241,15 +266,6 @@ struct StateAccess {
       return state;
     }
     state->block_size(h.block_size).bits(o.bits());
-    const QuantizedParamState* q = r.quantized;
-    if (q != nullptr && q->bits() == o.bits() && q->block_size() == h.block_size) {  // the codes as they are
-      const auto copy = [&](const torch::Tensor& t) {
-        return t.to(on.device(), /*non_blocking=*/false, /*copy=*/true);
-      };
-      state->m(copy(q->m())).absmax_m(copy(q->absmax_m()));
-      if (second) state->v(copy(q->v())).absmax_v(copy(q->absmax_v()));
-      return state;
-    }
     const int bits = o.bits();
     auto [m, absmax_m] = quantize(r.m, k::signed_code_book(bits), bits, h.block_size, on);
     state->m(m).absmax_m(absmax_m);
@@ -294,7 +310,7 @@ void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to
   };
   std::vector<Built> built;
   for (size_t i = 0; i < source.size(); ++i) {
-    const std::optional<detail::Read> read = StateAccess::read(source[i]);
+    std::optional<detail::Read> read = StateAccess::read(source[i]);
     if (!read) continue;
     std::optional<HostAllocationScope> in_host;
     if (target[i].host_arena) in_host.emplace();
@@ -306,7 +322,11 @@ void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to
   //    must have stopped reading it first, and learns afterwards which masters have their state.
   auto* offload = dynamic_cast<OffloadOptimizer*>(&to);
   if (offload != nullptr) offload->discard_backward();
-  for (const detail::Slot& s : target) s.owner->state().clear();
+  std::vector<torch::optim::Optimizer*> owners;  // one or, for an OffloadOptimizer, two state maps
+  for (const detail::Slot& s : target) {
+    if (std::find(owners.begin(), owners.end(), s.owner) == owners.end()) owners.push_back(s.owner);
+  }
+  for (torch::optim::Optimizer* owner : owners) owner->state().clear();
   for (Built& b : built) b.owner->state()[b.key] = std::move(b.state);
   if (offload != nullptr) StateAccess::update_can_step(*offload);
 }

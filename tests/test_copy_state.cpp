@@ -203,6 +203,21 @@ TEST(CopyState, QuantizesFp32MomentsToTheNearestCodesOfTheTargetsFormat) {
   }
 }
 
+/// `fp32` (LibTorch's Adam or AdamW, whose state type is `State`) holds for each parameter exactly what
+/// `quantized` reads back as, after `steps` steps.
+template <typename State>
+void expect_dequantized(const torch::optim::Optimizer& fp32, LowBitOptimizer& quantized, int64_t steps) {
+  const auto fp32_params = fp32.param_groups()[0].params();
+  const auto quantized_params = quantized.param_groups()[0].params();
+  for (size_t i = 0; i < fp32_params.size(); ++i) {
+    const auto expected = quantized.state_fp32(quantized_params[i]);
+    const auto& s = static_cast<const State&>(*fp32.state().at(fp32_params[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(s.step(), steps);
+    EXPECT_TRUE(torch::equal(s.exp_avg(), expected[0])) << i;
+    EXPECT_TRUE(torch::equal(s.exp_avg_sq(), expected[1])) << i;
+  }
+}
+
 TEST(CopyState, IntoFp32StateIsTheDequantizedState) {
   // 8-bit -> torch AdamW -> 4-bit -> offloaded fp32 -> torch Adam: each copy into fp32 holds exactly what the
   // state before it reads back as.
@@ -211,31 +226,14 @@ TEST(CopyState, IntoFp32StateIsTheDequantizedState) {
   train(*eight, a, 1, 3);
   auto fp32 = adamw()(clone(a));
   copy_state(*eight, *fp32);
-  const auto fp32_params = fp32->param_groups()[0].params();
-  for (size_t i = 0; i < a.size(); ++i) {
-    const auto expected = static_cast<LowBitOptimizer&>(*eight).state_fp32(a[i]);
-    const auto& s = static_cast<const torch::optim::AdamWParamState&>(
-        *fp32->state().at(fp32_params[i].unsafeGetTensorImpl()));
-    EXPECT_EQ(s.step(), 3);
-    EXPECT_TRUE(torch::equal(s.exp_avg(), expected[0])) << i;
-    EXPECT_TRUE(torch::equal(s.exp_avg_sq(), expected[1])) << i;
-  }
+  expect_dequantized<torch::optim::AdamWParamState>(*fp32, static_cast<LowBitOptimizer&>(*eight), 3);
   auto four = adamw4()(clone(a));
   copy_state(*fp32, *four);
   auto offloaded = offload(32)(clone(a));
   copy_state(*four, *offloaded);
   auto adam = std::make_unique<torch::optim::Adam>(clone(a), torch::optim::AdamOptions(1e-2));
   copy_state(*offloaded, *adam);
-  const auto four_params = four->param_groups()[0].params();
-  const auto adam_params = adam->param_groups()[0].params();
-  for (size_t i = 0; i < a.size(); ++i) {
-    const auto expected = static_cast<LowBitOptimizer&>(*four).state_fp32(four_params[i]);
-    const auto& s = static_cast<const torch::optim::AdamParamState&>(
-        *adam->state().at(adam_params[i].unsafeGetTensorImpl()));
-    EXPECT_EQ(s.step(), 3);
-    EXPECT_TRUE(torch::equal(s.exp_avg(), expected[0])) << i;
-    EXPECT_TRUE(torch::equal(s.exp_avg_sq(), expected[1])) << i;
-  }
+  expect_dequantized<torch::optim::AdamParamState>(*adam, static_cast<LowBitOptimizer&>(*four), 3);
 }
 
 TEST(CopyState, AConvertedRunKeepsItsMomentsAndFollowsTheFp32One) {
