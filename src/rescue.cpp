@@ -32,6 +32,17 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+/// The fitting candidate with the shortest step time (the earliest of equals).
+std::optional<size_t> fastest(const std::vector<Candidate>& candidates) {
+  std::optional<size_t> best;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& c = candidates[i];
+    if (c.status != Candidate::Status::kFits) continue;
+    if (!best || c.measured.seconds < candidates[*best].measured.seconds) best = i;
+  }
+  return best;
+}
+
 }  // namespace
 
 Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t batch, c10::Device device,
@@ -327,11 +338,25 @@ bool builds_four_bit_state(const OptimizerFactory& optimizer) {
   }
 }
 
+std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double tie) {
+  TORCH_CHECK(std::isfinite(tie) && tie >= 0, "recommend: tie must be a finite fraction >= 0, got ", tie);
+  const std::optional<size_t> best = fastest(candidates);
+  if (!best) return std::nullopt;
+  const double bound = candidates[*best].measured.seconds * (1 + tie);
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& c = candidates[i];
+    if (c.status == Candidate::Status::kFits && c.measured.seconds <= bound) return i;
+  }
+  return best;  // not reached: the fastest is within its own bound
+}
+
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   TORCH_CHECK(options.batch() > 0, "rescue: batch must be > 0, got ", options.batch());
   TORCH_CHECK(options.budget() > 0, "rescue: budget must be > 0, got ", options.budget());
   TORCH_CHECK(options.steps() >= 2, "rescue: steps must be >= 2 (the first is not timed), got ",
               options.steps());
+  TORCH_CHECK(std::isfinite(options.tie()) && options.tie() >= 0,
+              "rescue: tie must be a finite fraction >= 0, got ", options.tie());
   TORCH_CHECK(!options.device().is_cuda() || torch::cuda::is_available(), "rescue: device ", options.device(),
               " requested but no CUDA device is available");
   RescuePlan plan;
@@ -371,16 +396,12 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
     if (options.progress()) options.progress()(i + 1, plan.candidates.size());
   }
 
+  plan.fastest = fastest(plan.candidates);
+  plan.recommended = recommend(plan.candidates, options.tie());
   double reference = 0;
   const Candidate& baseline = plan.candidates.front();
   if (baseline.status == Candidate::Status::kFits) reference = baseline.measured.seconds;
-  for (size_t i = 0; i < plan.candidates.size(); ++i) {
-    const Candidate& c = plan.candidates[i];
-    if (c.status != Candidate::Status::kFits) continue;
-    if (!plan.recommended || c.measured.seconds < plan.candidates[*plan.recommended].measured.seconds)
-      plan.recommended = i;
-  }
-  if (reference == 0 && plan.recommended) reference = plan.candidates[*plan.recommended].measured.seconds;
+  if (reference == 0 && plan.fastest) reference = plan.candidates[*plan.fastest].measured.seconds;
   for (Candidate& c : plan.candidates)
     if (c.status == Candidate::Status::kFits && c.measured.seconds > 0)
       c.relative_throughput = reference / c.measured.seconds;

@@ -153,9 +153,15 @@ TEST(Cli, RescueRecommendsARecipeUnderTheBudget) {
   EXPECT_TRUE(best["fits"].get<bool>());
   EXPECT_LE(best["peak"].get<int64_t>(), 80 << 20);
   EXPECT_EQ(j["candidates"][0]["status"], "out of memory");  // the baseline does not fit
+  // The fastest that fits, or a recipe earlier on the checklist within the tie (5%) of it.
+  ASSERT_FALSE(j["fastest"].is_null());
+  EXPECT_EQ(j["tie"].get<double>(), 0.05);
+  const double fastest = j["candidates"][j["fastest"].get<size_t>()]["seconds"].get<double>();
+  EXPECT_LE(j["recommended"].get<size_t>(), j["fastest"].get<size_t>());
+  EXPECT_LE(best["seconds"].get<double>(), fastest * 1.05);
   for (const auto& c : j["candidates"])
     if (c["fits"].get<bool>()) {
-      EXPECT_GE(c["seconds"].get<double>(), best["seconds"].get<double>());
+      EXPECT_GE(c["seconds"].get<double>(), fastest);
     }
   EXPECT_TRUE(contains(best["cpp"].get<std::string>(), "memsave::Recipe()"));
 }
@@ -165,6 +171,19 @@ TEST(Cli, RescueTableEndsWithThePasteableRecipe) {
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "recommended:")) << r.output;
   EXPECT_TRUE(contains(r.output, "memsave::Recipe()")) << r.output;
+}
+
+TEST(Cli, RescueWithAWideTieRecommendsTheFirstRecipeThatFits) {
+  // Every candidate is within a tie of 100 times the fastest: the first on the checklist that fits wins.
+  const Result r =
+      invoke_stdout("rescue --model gpt-tiny --batch 64 --budget 80MiB --steps 2 --tie 100 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  size_t first = j["candidates"].size();
+  for (size_t i = 0; i < j["candidates"].size() && first == j["candidates"].size(); ++i)
+    if (j["candidates"][i]["fits"].get<bool>()) first = i;
+  EXPECT_EQ(j["recommended"].get<size_t>(), first);
+  EXPECT_EQ(invoke_stdout("rescue --model mlp --batch 8 --budget 60MiB --tie -0.1").code, 2);
 }
 
 TEST(Cli, RescueBelowTheParametersExitsAtOnce) {

@@ -16,7 +16,7 @@ namespace {
 
 using zoo::training_setup;
 
-TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
+TEST(Rescue, RecommendsACandidateThatFitsABudgetHalfTheBaseline) {
   install_meter();
   const TrainingSetup setup = training_setup("gpt-tiny");
   const int64_t batch = 32;
@@ -29,9 +29,14 @@ TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
   EXPECT_LE(best.measured.peak, budget);
   // Measured again on its own, the recommendation fits.
   EXPECT_LE(measure(setup, best.recipe, batch, torch::kCPU, 2).peak, budget);
+  // The fastest, or within the tie of it and earlier on the checklist.
+  ASSERT_TRUE(plan.fastest.has_value());
+  const double fastest = plan.candidates[*plan.fastest].measured.seconds;
+  EXPECT_LE(*plan.recommended, *plan.fastest);
+  EXPECT_LE(best.measured.seconds, fastest * (1 + RescueOptions(1, 1).tie()));
   for (const Candidate& c : plan.candidates)
     if (c.status == Candidate::Status::kFits) {
-      EXPECT_GE(c.measured.seconds, best.measured.seconds);
+      EXPECT_GE(c.measured.seconds, fastest);
     }
   // Accumulation keeps the effective batch: the step's items are the whole batch.
   torch::manual_seed(0);
@@ -39,6 +44,39 @@ TEST(Rescue, RecommendsTheFastestCandidateThatFitsABudgetHalfTheBaseline) {
   Trainer trainer(net, setup.optimizer, best.recipe);
   const auto [x, y] = setup.make_batch(batch, torch::kCPU);
   EXPECT_EQ(trainer.step(x, y, setup.loss).items, batch);
+}
+
+Candidate candidate(Candidate::Status status, double seconds) {
+  Candidate c;
+  c.status = status;
+  c.measured.seconds = seconds;
+  return c;
+}
+
+TEST(Rescue, RecommendsTheEarliestCandidateWithinTheTieOfTheFastest) {
+  using S = Candidate::Status;
+  // In checklist order: out of memory, fits (slow), not run, fits (fastest), fits (within 5% of it).
+  const std::vector<Candidate> measured = {candidate(S::kOutOfMemory, 0), candidate(S::kFits, 0.30),
+                                           candidate(S::kNotNeeded, 0), candidate(S::kFits, 0.20),
+                                           candidate(S::kFits, 0.205)};
+  EXPECT_EQ(recommend(measured, 0), 3u);  // no tie: the fastest
+  EXPECT_EQ(recommend(measured, 0.05), 3u);
+  EXPECT_EQ(recommend(measured, 0.5), 1u);  // 0.30 <= 1.5 * 0.20: the earlier one
+  EXPECT_EQ(recommend(measured, 0.49), 3u);
+  // A tie reaches back, never forward: a later near-equal is not preferred to an earlier fastest, and an
+  // earlier near-equal is preferred to a later fastest.
+  std::vector<Candidate> later_fastest = measured;
+  later_fastest[4].measured.seconds = 0.199;
+  EXPECT_EQ(recommend(later_fastest, 0), 4u);
+  EXPECT_EQ(recommend(later_fastest, 0.05), 3u);
+  // Out of memory and unrun candidates never count, whatever their times.
+  const std::vector<Candidate> none = {candidate(S::kOutOfMemory, 0.01), candidate(S::kCannotFit, 0),
+                                       candidate(S::kNotNeeded, 0)};
+  EXPECT_FALSE(recommend(none, 0.05).has_value());
+  EXPECT_FALSE(recommend({}, 0.05).has_value());
+  EXPECT_THROW(recommend(measured, -0.01), c10::Error);
+  EXPECT_THROW(recommend(measured, std::nan("")), c10::Error);
+  EXPECT_THROW(recommend(measured, INFINITY), c10::Error);
 }
 
 TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
@@ -82,6 +120,8 @@ TEST(Rescue, BadOptionsAreErrors) {
   EXPECT_THROW(rescue(setup, RescueOptions(0, 1 << 30)), c10::Error);
   EXPECT_THROW(rescue(setup, RescueOptions(8, 0)), c10::Error);
   EXPECT_THROW(rescue(setup, RescueOptions(8, 1 << 30).steps(1)), c10::Error);
+  EXPECT_THROW(rescue(setup, RescueOptions(8, 1 << 30).tie(-0.05)), c10::Error);
+  EXPECT_THROW(rescue(setup, RescueOptions(8, 1 << 30).tie(std::nan(""))), c10::Error);
   const RescuePlan none = rescue(setup, RescueOptions(8, 1000));
   EXPECT_TRUE(none.below_parameters);
   EXPECT_TRUE(none.candidates.empty());

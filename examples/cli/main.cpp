@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 
 #include <unistd.h>
+#include <cmath>
 #include <fstream>
 #include <iostream>
 
@@ -67,7 +68,8 @@ int main(int argc, char** argv) {
   // rescue
   std::string rescue_model = "gpt-tiny", rescue_budget, rescue_device = "cpu", rescue_plot;
   int64_t rescue_batch = 64;
-  int rescue_steps = 3;
+  int rescue_steps = memsave::RescueOptions(1, 1).steps();
+  double rescue_tie = memsave::RescueOptions(1, 1).tie();
   bool rescue_json = false;
   CLI::App* rescue_cmd =
       app.add_subcommand("rescue", "Walk the OOM checklist under a memory budget and recommend a recipe");
@@ -81,7 +83,13 @@ int main(int argc, char** argv) {
   rescue_cmd->add_option("--device", rescue_device, "cpu (simulated device) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
-  rescue_cmd->add_option("--steps", rescue_steps, "Steps per candidate (>= 2)")->capture_default_str();
+  rescue_cmd->add_option("--steps", rescue_steps, "Steps per candidate (>= 2; the first is not timed)")
+      ->capture_default_str();
+  rescue_cmd
+      ->add_option("--tie", rescue_tie,
+                   "Step times within this fraction of the fastest count as equal: of those, the recipe "
+                   "earliest on the checklist is recommended")
+      ->capture_default_str();
   rescue_cmd->add_flag("--json", rescue_json, "JSON instead of a table");
 
   // estimate
@@ -135,8 +143,10 @@ int main(int argc, char** argv) {
       TORCH_CHECK(budget_bytes > 0, "--budget must be positive, got '", rescue_budget, "'");
       TORCH_CHECK(rescue_batch > 0, "--batch must be > 0, got ", rescue_batch);
       TORCH_CHECK(rescue_steps >= 2, "--steps must be >= 2, got ", rescue_steps);
+      TORCH_CHECK(std::isfinite(rescue_tie) && rescue_tie >= 0, "--tie must be a fraction >= 0, got ",
+                  rescue_tie);
       memsave::RescueOptions options(rescue_batch, budget_bytes);
-      options.device(parse_device(rescue_device)).steps(rescue_steps);
+      options.device(parse_device(rescue_device)).steps(rescue_steps).tie(rescue_tie);
       if (!rescue_json && isatty(STDERR_FILENO)) {
         options.progress([](size_t done, size_t total) {
           std::cerr << "\rcandidate " << done << "/" << total << std::flush;

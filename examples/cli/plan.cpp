@@ -59,6 +59,12 @@ std::string fixed(double v, int digits) {
   return buf;
 }
 
+std::string percent(double fraction) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%g%%", 100 * fraction);
+  return buf;
+}
+
 bool ran(const Candidate& c) {
   return c.status == Candidate::Status::kFits || c.status == Candidate::Status::kOutOfMemory;
 }
@@ -114,6 +120,11 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
         << (plan.candidates.front().status == Candidate::Status::kFits ? "the baseline"
                                                                        : "the fastest that fits")
         << "\n  " << c.recipe.to_cpp() << "\n";
+    if (plan.fastest && *plan.fastest != *plan.recommended) {
+      const Candidate& f = plan.candidates[*plan.fastest];
+      out << "  (within the " << percent(options.tie()) << " tie of the fastest, " << f.recipe.label()
+          << " at " << fixed(f.measured.seconds, 3) << " s, and earlier on the checklist)\n";
+    }
     if (c.recipe.state_bits() != 32 || c.recipe.offload() != Offload::kNone)
       out << "  (a run saved by Trainer::save resumes under it: Trainer::load converts the optimizer "
              "state)\n";
@@ -145,7 +156,9 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
     }
     j["candidates"].push_back(row);
   }
+  j["tie"] = options.tie();
   j["recommended"] = plan.recommended ? nlohmann::json(*plan.recommended) : nlohmann::json(nullptr);
+  j["fastest"] = plan.fastest ? nlohmann::json(*plan.fastest) : nlohmann::json(nullptr);
   j["closest_miss"] = plan.closest_miss ? nlohmann::json(*plan.closest_miss) : nlohmann::json(nullptr);
   return j.dump(2);
 }

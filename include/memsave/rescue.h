@@ -8,9 +8,9 @@
 // batch), mixed precision, checkpointing (coarse, then every layer), 8-bit optimizer state, 4-bit optimizer
 // state (when the setup's optimizer has it: memsave::adamw), offloaded state —
 // measures each candidate's peak (memsave's meter, under the budget) and step time, and recommends the
-// fastest candidate that fits. A MemoryModel built from one profile of the model predicts every candidate's
-// peak; a candidate whose static bytes (parameters, gradients, state, batch) already exceed the budget is
-// never run.
+// fastest candidate that fits — of those within `tie` of the fastest, the one earliest on the checklist. A
+// MemoryModel built from one profile of the model predicts every candidate's peak; a candidate whose static
+// bytes (parameters, gradients, state, batch) already exceed the budget is never run.
 #pragma once
 
 #include <memsave/trainer.h>
@@ -105,8 +105,13 @@ struct RescueOptions {
   /// Bytes the training step may use in the device pool.
   TORCH_ARG(int64_t, budget);
   TORCH_ARG(c10::Device, device) = c10::kCPU;
-  /// Steps per candidate (>= 2; the first creates the optimizer state and is not timed).
-  TORCH_ARG(int, steps) = 3;
+  /// Steps per candidate (>= 2; the first creates the optimizer state and is not timed, the median of the
+  /// others is the candidate's step time).
+  TORCH_ARG(int, steps) = 4;
+  /// Step times within this fraction of the fastest fitting candidate's count as equal (>= 0): of those the
+  /// rescue recommends the one earliest on the checklist, which changes the least about the training (fewer
+  /// techniques, then the larger micro-batch). A timing's noise then does not decide between near-equals.
+  TORCH_ARG(double, tie) = 0.05;
   /// Called after each candidate (progress lines).
   TORCH_ARG(std::function<void(size_t done, size_t total)>, progress) = nullptr;
 };
@@ -130,8 +135,11 @@ struct Candidate {
 
 struct RescuePlan {
   std::vector<Candidate> candidates;
-  /// The fastest candidate that fits.
+  /// The candidate that fits to recommend: of those whose step time is within the tie of the fastest, the
+  /// earliest on the checklist (`recommend`).
   std::optional<size_t> recommended;
+  /// The fastest candidate that fits.
+  std::optional<size_t> fastest;
   /// When nothing fits: the run whose peak came closest to the budget (or the smallest static bytes).
   std::optional<size_t> closest_miss;
   /// The budget is below the parameters alone: nothing was run.
@@ -148,6 +156,10 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device
 /// Whether `optimizer` builds 4-bit state for Recipe().state_bits(4) (memsave::adamw does, memsave::sgd
 /// does not): rescue() adds the 4-bit level to the checklist only then.
 bool builds_four_bit_state(const OptimizerFactory& optimizer);
+
+/// The rescue's choice among measured candidates (in checklist order): the first that fits whose step time is
+/// at most (1 + tie) times the fastest fitting one's; none when nothing fits.
+std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double tie);
 
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options);
 

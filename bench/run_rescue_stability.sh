@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# How often `memsave rescue` names the same recipe, quiet and beside a busy process: runs the README's main job
+# RUNS times (--json), with no load and then with LOAD processes spinning beside it, and counts per condition
+# which recipe it recommended (the earliest within the tie of the fastest) and which was fastest (the rule
+# before the tie: the fastest alone). Prints a Markdown table for bench/RESULTS-rescue.md.
+#   bench/run_rescue_stability.sh [RUNS] [LOAD] [rescue arguments ...]   (after scripts/build.sh)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+runs="${1:-5}"
+load="${2:-1}"
+shift $(($# < 2 ? $# : 2))
+if (($# == 0)); then set -- --model gpt-tiny --batch 64 --budget 80MiB; fi
+tmp="$(mktemp -d)"
+hogs=()
+cleanup() {
+  ((${#hogs[@]})) && kill "${hogs[@]}" 2>/dev/null
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+for condition in quiet loaded; do
+  if [[ $condition == loaded ]]; then
+    for ((h = 0; h < load; ++h)); do
+      (while :; do :; done) &
+      hogs+=($!)
+    done
+  fi
+  for ((i = 0; i < runs; ++i)); do
+    "$root/build/memsave" rescue "$@" --json >"$tmp/$condition-$i.json"
+  done
+done
+"$root/.venv/bin/python" - "$tmp" "$runs" "$load" "bench/run_rescue_stability.sh $runs $load $*" <<'EOF'
+import collections, json, sys
+tmp, runs, load, command = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+print(f"Command: `{command}`\n")
+print("| condition | rule | recipes named (of %d runs) |" % runs)
+print("| --- | --- | --- |")
+for condition in ("quiet", "loaded"):
+    picks = {"recommended (tie)": collections.Counter(), "fastest (no tie)": collections.Counter()}
+    for i in range(runs):
+        j = json.load(open(f"{tmp}/{condition}-{i}.json"))
+        for rule, key in (("recommended (tie)", "recommended"), ("fastest (no tie)", "fastest")):
+            picks[rule][j["candidates"][j[key]]["recipe"] if j[key] is not None else "none"] += 1
+    name = condition if condition == "quiet" else f"beside {load} spinning process(es)"
+    for rule, counter in picks.items():
+        print(f"| {name} | {rule} | " + "; ".join(f"{r}: {n}" for r, n in counter.most_common()) + " |")
+EOF
