@@ -405,6 +405,18 @@ std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type,
   return nullptr;
 }
 
+/// Whether the Trainer file read into `archive` holds the optimizer state of another type or width than
+/// `optimizer` with `bits`, which Trainer::load converts (false for a file without those fields, which
+/// Trainer::load then refuses).
+bool other_state(torch::serialize::InputArchive& archive, const torch::optim::Optimizer& optimizer,
+                 int64_t bits) {
+  c10::IValue type, file_bits;
+  if (!archive.try_read("optimizer_type", type) || !type.isString() ||
+      !archive.try_read("state_bits", file_bits) || !file_bits.isInt())
+    return false;
+  return type.toStringRef() != type_name(optimizer) || file_bits.toInt() != bits;
+}
+
 }  // namespace
 
 void Trainer::save(torch::serialize::OutputArchive& archive) const {
@@ -455,7 +467,7 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
   archive.read("optimizer_type", type_value);
   TORCH_CHECK(type_value.isString(), "Trainer::load: the file names no optimizer type");
   const std::string type = type_value.toStringRef();
-  const bool convert = type != type_name(*optimizer_) || bits != recipe_.state_bits();
+  const bool convert = other_state(archive, *optimizer_, recipe_.state_bits());
 
   torch::serialize::InputArchive model;
   TORCH_CHECK(archive.try_read("model", model), "Trainer::load: the file has no model");
@@ -526,12 +538,27 @@ void Trainer::load(const std::string& path) {
   // Tensors go to the model's device, but for an offloading optimizer's, which stay where they were saved:
   // its state in host memory, the small tensors' on the device (a model's host state may not fit its device).
   const bool offloads = recipe_.offload() == Offload::kOptimizerState;
-  torch::serialize::InputArchive archive;
-  try {
-    archive.load_from(path, offloads ? std::nullopt : std::optional<torch::Device>(device_));
-  } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "Trainer::load: cannot read ", path, ": ", e.msg());
+  const std::optional<torch::Device> as_saved =
+      offloads ? std::nullopt : std::optional<torch::Device>(device_);
+  auto read = [&](std::optional<torch::Device> device) {
+    torch::serialize::InputArchive archive;
+    try {
+      archive.load_from(path, device);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "Trainer::load: cannot read ", path, ": ", e.msg());
+    }
+    return archive;
+  };
+  if (device_.is_cpu()) {
+    torch::serialize::InputArchive archive = read(as_saved);
+    load(archive);
+    return;
   }
+  // On an accelerator the file is read into host memory first: a state that this Trainer converts (the
+  // recipe the rescue recommended after an out-of-memory, say) then reaches the device only converted, never
+  // as saved beside the model. A state it keeps as it is is read again, onto the device.
+  torch::serialize::InputArchive archive = read(torch::Device(torch::kCPU));
+  if (!other_state(archive, *optimizer_, recipe_.state_bits())) archive = read(as_saved);
   load(archive);
 }
 

@@ -497,6 +497,46 @@ TEST(CudaCopyState, TheTrainerConvertsAFileReadIntoHostMemory) {
   std::filesystem::remove(file);
 }
 
+TEST(CudaCopyState, TheTrainerReadsAFileItConvertsIntoHostMemory) {
+  SKIP_WITHOUT_CUDA();
+  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target);
+  };
+  torch::manual_seed(6);
+  const torch::Tensor x = torch::randn({32, 512}, kCuda);
+  const torch::Tensor y = torch::randint(10, {32}, torch::TensorOptions(kCuda).dtype(torch::kLong));
+  const std::string file = (std::filesystem::temp_directory_path() / "memsave_cuda_convert_path.pt").string();
+  auto saved = cuda_mlp();
+  Trainer a(saved, adamw(1e-3), Recipe());
+  a.step(x, y, ce);
+  a.save(file);
+  int64_t param_bytes = 0;
+  for (const auto& p : saved->parameters()) param_bytes += p.numel() * p.element_size();
+  for (const Recipe& recipe : {Recipe().state_bits(8), Recipe().state_bits(4),
+                               Recipe().state_bits(8).offload(Offload::kOptimizerState)}) {
+    SCOPED_TRACE(recipe.label());
+    auto resumed = cuda_mlp();
+    Trainer b(resumed, adamw(1e-3), recipe);
+    torch::cuda::synchronize();
+    const int64_t before = memory_stats(kCuda).current;
+    int64_t peak = 0;
+    {
+      PeakScope scope(kCuda);
+      b.load(file);
+      torch::cuda::synchronize();
+      peak = scope.peak() - before;
+    }
+    // Read onto the device, the file would bring the model's tensors and two fp32 moments (3 x param_bytes)
+    // beside the model; read into host memory, only the converted state (a quarter or an eighth of the
+    // moments; none offloaded but the small tensors') reaches it.
+    EXPECT_LT(peak, param_bytes) << "peak " << peak << " bytes over the model's " << param_bytes;
+    for (size_t i = 0; i < saved->parameters().size(); ++i)
+      EXPECT_TRUE(torch::equal(saved->parameters()[i], resumed->parameters()[i])) << i;
+    EXPECT_TRUE(b.step(x, y, ce).stepped);
+  }
+  std::filesystem::remove(file);
+}
+
 TEST(CudaCheckpoint, GradientsAreBitIdenticalWithDropoutOnCuda) {
   SKIP_WITHOUT_CUDA();
   auto make = [] {

@@ -150,9 +150,10 @@ class Trainer {
   /// GradScaler continues from the file's, or starts afresh when the file has none. A file that does not fit,
   /// or is missing or corrupt, is an error that leaves model, optimizer and scaler as they were. Tensors are
   /// read onto the model's device (with an offloading optimizer, where they were saved: its host state stays
-  /// in host memory); to convert a state that does not fit the device as it was saved, open the archive on
-  /// the CPU (`archive.load_from(path, torch::kCPU)`) and pass it: only the converted state goes to the
-  /// device.
+  /// in host memory). On a CUDA device, a file whose state converts is read into host memory, and only the
+  /// converted state goes to the device (a file it keeps as it is is read a second time, onto the device):
+  /// the state as saved need not fit there. An archive passed in is read where it was opened: open it on the
+  /// CPU (`archive.load_from(path, torch::kCPU)`) for the same.
   void load(const std::string& path);
   void load(torch::serialize::InputArchive& archive);
 
