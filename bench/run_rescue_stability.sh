@@ -2,7 +2,8 @@
 # How often `memsave rescue` names the same recipe, quiet and beside a busy process: runs the README's main job
 # RUNS times (--json), with no load and then with LOAD processes spinning beside it, and counts per condition
 # which recipe it recommended (the earliest within the tie of the fastest) and which was fastest (the rule
-# before the tie: the fastest alone). Prints a Markdown table for bench/RESULTS-rescue.md.
+# before the tie: the fastest alone), and the timing noise it measured (RescuePlan::noise; above 10% the table
+# output says that the machine is busy). Prints a Markdown table for bench/RESULTS-rescue.md.
 #   bench/run_rescue_stability.sh [RUNS] [LOAD] [rescue arguments ...]   (after scripts/build.sh)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -32,15 +33,20 @@ done
 import collections, json, sys
 tmp, runs, load, command = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
 print(f"Command: `{command}`\n")
-print("| condition | rule | recipes named (of %d runs) |" % runs)
-print("| --- | --- | --- |")
+print("| condition | rule | recipes named (of %d runs) | timing noise per run | runs with the busy note (noise > 10%%) |" % runs)
+print("| --- | --- | --- | --- | ---: |")
 for condition in ("quiet", "loaded"):
     picks = {"recommended (tie)": collections.Counter(), "fastest (no tie)": collections.Counter()}
+    noise = []
     for i in range(runs):
         j = json.load(open(f"{tmp}/{condition}-{i}.json"))
+        noise.append(j["noise"])
         for rule, key in (("recommended (tie)", "recommended"), ("fastest (no tie)", "fastest")):
             picks[rule][j["candidates"][j[key]]["recipe"] if j[key] is not None else "none"] += 1
     name = condition if condition == "quiet" else f"beside {load} spinning process(es)"
+    spread = " / ".join(f"{100 * n:.0f}%" for n in noise)
+    noted = sum(n > 0.10 for n in noise)
     for rule, counter in picks.items():
-        print(f"| {name} | {rule} | " + "; ".join(f"{r}: {n}" for r, n in counter.most_common()) + " |")
+        print(f"| {name} | {rule} | " + "; ".join(f"{r}: {n}" for r, n in counter.most_common()) +
+              f" | {spread} | {noted} |")
 EOF

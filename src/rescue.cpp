@@ -74,6 +74,10 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
     m.peak = scope.peak() - before;
   }
   m.seconds = median(times);
+  if (!times.empty()) {
+    const auto [fastest, slowest] = std::minmax_element(times.begin(), times.end());
+    if (*fastest > 0) m.spread = (*slowest - *fastest) / *fastest;
+  }
   return m;
 }
 
@@ -350,6 +354,13 @@ std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double
   return best;  // not reached: the fastest is within its own bound
 }
 
+double timing_noise(const std::vector<Candidate>& candidates) {
+  std::vector<double> spreads;
+  for (const Candidate& c : candidates)
+    if (c.status == Candidate::Status::kFits) spreads.push_back(c.measured.spread);
+  return median(spreads);
+}
+
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   TORCH_CHECK(options.batch() > 0, "rescue: batch must be > 0, got ", options.batch());
   TORCH_CHECK(options.budget() > 0, "rescue: budget must be > 0, got ", options.budget());
@@ -398,6 +409,7 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
 
   plan.fastest = fastest(plan.candidates);
   plan.recommended = recommend(plan.candidates, options.tie());
+  plan.noise = timing_noise(plan.candidates);
   double reference = 0;
   const Candidate& baseline = plan.candidates.front();
   if (baseline.status == Candidate::Status::kFits) reference = baseline.measured.seconds;

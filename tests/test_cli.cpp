@@ -156,6 +156,8 @@ TEST(Cli, RescueRecommendsARecipeUnderTheBudget) {
   // The fastest that fits, or a recipe earlier on the checklist within the tie (5%) of it.
   ASSERT_FALSE(j["fastest"].is_null());
   EXPECT_EQ(j["tie"].get<double>(), 0.05);
+  EXPECT_EQ(j["noise"].get<double>(), 0);  // --steps 2: one timed step per candidate, nothing to spread
+  EXPECT_EQ(best["spread"].get<double>(), 0);
   const double fastest = j["candidates"][j["fastest"].get<size_t>()]["seconds"].get<double>();
   EXPECT_LE(j["recommended"].get<size_t>(), j["fastest"].get<size_t>());
   EXPECT_LE(best["seconds"].get<double>(), fastest * 1.05);

@@ -79,6 +79,29 @@ TEST(Rescue, RecommendsTheEarliestCandidateWithinTheTieOfTheFastest) {
   EXPECT_THROW(recommend(measured, INFINITY), c10::Error);
 }
 
+TEST(Rescue, TimingNoiseIsTheMedianSpreadOfTheCandidatesThatFit) {
+  using S = Candidate::Status;
+  auto with_spread = [](S status, double spread) {
+    Candidate c = candidate(status, 0.1);
+    c.measured.spread = spread;
+    return c;
+  };
+  EXPECT_EQ(timing_noise({}), 0);
+  EXPECT_EQ(timing_noise({with_spread(S::kOutOfMemory, 0.9)}), 0);
+  EXPECT_EQ(timing_noise({with_spread(S::kFits, 0.02), with_spread(S::kOutOfMemory, 0.9),
+                          with_spread(S::kFits, 0.5), with_spread(S::kFits, 0.03)}),
+            0.03);
+}
+
+TEST(Rescue, AStepTimesSpreadIsZeroForOneTimedStepAndThePlansNoiseIsTheirMedian) {
+  const TrainingSetup setup = training_setup("mlp");
+  EXPECT_EQ(measure(setup, Recipe(), 8, torch::kCPU, 2).spread, 0);  // one timed step
+  const Measurement m = measure(setup, Recipe(), 8, torch::kCPU, 4);
+  EXPECT_TRUE(std::isfinite(m.spread) && m.spread >= 0) << m.spread;
+  const RescuePlan plan = rescue(setup, RescueOptions(8, 1 << 30));
+  EXPECT_EQ(plan.noise, timing_noise(plan.candidates));
+}
+
 TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
   const TrainingSetup setup = training_setup("mlp");
   const MemoryModel model = MemoryModel::profile(setup, 8, torch::kCPU);

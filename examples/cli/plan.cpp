@@ -61,9 +61,13 @@ std::string fixed(double v, int digits) {
 
 std::string percent(double fraction) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "%g%%", 100 * fraction);
+  std::snprintf(buf, sizeof(buf), "%.3g%%", 100 * fraction);
   return buf;
 }
+
+/// Timing noise (RescuePlan::noise) above which `rescue` says its ranking may not hold: quiet, this project's
+/// machine measures 1-4%; beside one spinning process 29-62% (bench/RESULTS-rescue.md).
+constexpr double kNoisy = 0.10;
 
 bool ran(const Candidate& c) {
   return c.status == Candidate::Status::kFits || c.status == Candidate::Status::kOutOfMemory;
@@ -128,7 +132,13 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
     if (c.recipe.state_bits() != 32 || c.recipe.offload() != Offload::kNone)
       out << "  (a run saved by Trainer::save resumes under it: Trainer::load converts the optimizer "
              "state)\n";
-  } else if (plan.closest_miss) {
+  }
+  if (plan.noise > kNoisy) {
+    out << "note: the timed steps of one candidate varied by " << percent(plan.noise)
+        << " (the median over the candidates; on a quiet machine a few percent): this machine is busy, and "
+           "another run may rank the step times otherwise\n";
+  }
+  if (!plan.recommended && plan.closest_miss) {
     const Candidate& c = plan.candidates[*plan.closest_miss];
     out << "nothing fits. Closest: " << c.recipe.label() << ", predicted " << format_bytes(c.predicted)
         << " against a budget of " << format_bytes(options.budget()) << "\n";
@@ -152,11 +162,13 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
     if (ran(c)) row["peak"] = c.measured.peak;
     if (c.status == Candidate::Status::kFits) {
       row["seconds"] = c.measured.seconds;
+      row["spread"] = c.measured.spread;
       row["relative_throughput"] = c.relative_throughput;
     }
     j["candidates"].push_back(row);
   }
   j["tie"] = options.tie();
+  j["noise"] = plan.noise;
   j["recommended"] = plan.recommended ? nlohmann::json(*plan.recommended) : nlohmann::json(nullptr);
   j["fastest"] = plan.fastest ? nlohmann::json(*plan.fastest) : nlohmann::json(nullptr);
   j["closest_miss"] = plan.closest_miss ? nlohmann::json(*plan.closest_miss) : nlohmann::json(nullptr);

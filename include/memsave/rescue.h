@@ -40,6 +40,9 @@ struct TrainingSetup {
 struct Measurement {
   int64_t peak = 0;
   double seconds = 0;
+  /// How far the timed steps' times spread: (slowest - fastest) / fastest (0 with one timed step). On a busy
+  /// machine it grows, and step times say little.
+  double spread = 0;
   bool out_of_memory = false;
 };
 
@@ -140,6 +143,9 @@ struct RescuePlan {
   std::optional<size_t> recommended;
   /// The fastest candidate that fits.
   std::optional<size_t> fastest;
+  /// How noisy the step times were: `timing_noise` of the candidates. A few percent on a quiet machine;
+  /// beside a busy process, tens of percent, and then the ranking by step time may not hold.
+  double noise = 0;
   /// When nothing fits: the run whose peak came closest to the budget (or the smallest static bytes).
   std::optional<size_t> closest_miss;
   /// The budget is below the parameters alone: nothing was run.
@@ -160,6 +166,10 @@ bool builds_four_bit_state(const OptimizerFactory& optimizer);
 /// The rescue's choice among measured candidates (in checklist order): the first that fits whose step time is
 /// at most (1 + tie) times the fastest fitting one's; none when nothing fits.
 std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double tie);
+
+/// The median, over the candidates that fit, of their timed steps' spread (Measurement::spread); 0 when none
+/// fits.
+double timing_noise(const std::vector<Candidate>& candidates);
 
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options);
 
