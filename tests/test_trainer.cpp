@@ -647,6 +647,54 @@ TEST(Trainer, ResumesUnderARecipeWithOtherOptimizerState) {
   std::filesystem::remove(file);
 }
 
+TEST(Trainer, TakesOverAPlainLibTorchLoopsCheckpoint) {
+  // A plain LibTorch loop saved its model and AdamW with torch::save. A Trainer over the loaded model takes
+  // the loaded AdamW's moments with copy_state: under Recipe() it then steps as the plain loop would have,
+  // bit for bit; under a recipe with other state near it, far nearer than with its moments started afresh.
+  const auto batches = mlp_batches(6);
+  const std::string model_file = temp_file("plain_model"), optimizer_file = temp_file("plain_adamw");
+  torch::manual_seed(0);
+  auto straight = convertible_net();
+  torch::optim::AdamW plain(straight->parameters(), torch::optim::AdamWOptions(1e-2));
+  for (int s = 0; s < 6; ++s) {
+    if (s == 3) {
+      torch::save(straight, model_file);
+      torch::save(plain, optimizer_file);
+    }
+    plain.zero_grad();
+    ce(straight->forward(batches[s].input), batches[s].target).backward();
+    plain.step();
+  }
+  for (const Recipe& recipe : {Recipe(), Recipe().amp(torch::kBFloat16).state_bits(8), Recipe().state_bits(4),
+                               Recipe().offload(Offload::kOptimizerState).state_bits(8)}) {
+    SCOPED_TRACE(recipe.label());
+    auto resume = [&](bool take_moments) {
+      torch::manual_seed(1);
+      auto net = convertible_net();
+      torch::load(net, model_file);
+      torch::optim::AdamW loaded(net->parameters(), torch::optim::AdamWOptions(1e-2));
+      torch::load(loaded, optimizer_file);
+      Trainer trainer(net, adamw(1e-2), recipe);
+      if (take_moments) optim::copy_state(loaded, trainer.optimizer());
+      for (int s = 3; s < 6; ++s) trainer.step(batches[s].input, batches[s].target, ce);
+      return net;
+    };
+    auto resumed = resume(true);
+    if (recipe.state_bits() == 32 && !recipe.amp()) {
+      expect_equal(model_tensors(resumed), model_tensors(straight));
+    } else {
+      auto restarted = resume(false);
+      const double converted = mean_difference(resumed, straight),
+                   restart = mean_difference(restarted, straight);
+      std::printf("%s: mean difference %.3g with the plain loop's moments, %.3g restarted\n",
+                  recipe.label().c_str(), converted, restart);
+      EXPECT_LT(converted, restart / 4);
+    }
+  }
+  std::filesystem::remove(model_file);
+  std::filesystem::remove(optimizer_file);
+}
+
 TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
   const auto batches = mlp_batches(3);
   auto trained = [&](tnn::Sequential net, const OptimizerFactory& optimizer, const Recipe& recipe) {

@@ -66,7 +66,7 @@ std::string percent(double fraction) {
 }
 
 /// Timing noise (RescuePlan::noise) above which `rescue` says its ranking may not hold: quiet, this project's
-/// machine measures 1-4%; beside one spinning process 29-62% (bench/RESULTS-rescue.md).
+/// machine measures 2-3%; beside one spinning process 28-80% (bench/RESULTS-rescue.md).
 constexpr double kNoisy = 0.10;
 
 bool ran(const Candidate& c) {
