@@ -165,6 +165,17 @@ TEST(Cli, RescueRecommendsARecipeUnderTheBudget) {
     if (c["fits"].get<bool>()) {
       EXPECT_GE(c["seconds"].get<double>(), fastest);
     }
+  // The lead: how much slower than the fastest the fastest candidate outside the tie ran.
+  double next = 0;
+  for (const auto& c : j["candidates"])
+    if (c["fits"].get<bool>() && c["seconds"].get<double>() > fastest * 1.05 &&
+        (next == 0 || c["seconds"].get<double>() < next))
+      next = c["seconds"].get<double>();
+  if (next == 0) {
+    EXPECT_TRUE(j["lead"].is_null());
+  } else {
+    EXPECT_DOUBLE_EQ(j["lead"].get<double>(), next / fastest - 1);
+  }
   EXPECT_TRUE(contains(best["cpp"].get<std::string>(), "memsave::Recipe()"));
 }
 
@@ -224,14 +235,16 @@ TEST(Cli, BenchJsonHasOneEntryPerRecipeWithTheDocumentedFields) {
   for (size_t i = 0; i < 5; ++i) {
     const auto& e = j["recipes"][i];
     EXPECT_EQ(e["name"], names[i]);
-    for (const char* field : {"recipe", "cpp", "peak", "seconds", "peak_ratio", "time_ratio"})
+    for (const char* field : {"recipe", "cpp", "peak", "seconds", "spread", "peak_ratio", "time_ratio"})
       EXPECT_TRUE(e.contains(field)) << field;
+    EXPECT_EQ(e["spread"].get<double>(), 0);  // --steps 2: one timed step
     EXPECT_GT(e["peak"].get<int64_t>(), 0);
   }
   EXPECT_EQ(j["recipes"][0]["peak_ratio"].get<double>(), 1.0);
   EXPECT_LT(j["recipes"][3]["peak"].get<int64_t>(), j["recipes"][0]["peak"].get<int64_t>());  // 8-bit state
   EXPECT_LT(j["recipes"][4]["peak"].get<int64_t>(), j["recipes"][3]["peak"].get<int64_t>());  // 4-bit state
   EXPECT_FALSE(j["rules"].empty());
+  EXPECT_EQ(j["noise"].get<double>(), 0);
 }
 
 TEST(Cli, BenchTableKeepsItsColumnsForLabelsLongerThanTheDefaultWidth) {

@@ -65,9 +65,36 @@ std::string percent(double fraction) {
   return buf;
 }
 
-/// Timing noise (RescuePlan::noise) above which `rescue` says its ranking may not hold: quiet, this project's
-/// machine measures 2-3%; beside one spinning process 28-80% (bench/RESULTS-rescue.md).
+/// Timing noise (RescuePlan::noise) above which `bench` says its ratios are uncertain: quiet, this project's
+/// machine measures 2-3% on gpt-tiny's steps (a tenth of a second) and about 10% on the mlp's (milliseconds);
+/// beside one spinning process 28-80% (bench/RESULTS-rescue.md).
 constexpr double kNoisy = 0.10;
+
+/// The timing noise of a benchmark's rows, as the rescue measures it over its candidates.
+double bench_noise(const std::vector<BenchRow>& rows) {
+  std::vector<Candidate> measured;
+  for (const BenchRow& r : rows) {
+    Candidate c;
+    c.status = Candidate::Status::kFits;
+    c.measured = r.measured;
+    measured.push_back(std::move(c));
+  }
+  return timing_noise(measured);
+}
+
+/// How much slower than the fastest the fastest candidate outside the tie ran, as a fraction; none when every
+/// candidate that fits is within the tie. Noise above it can change the recommendation.
+std::optional<double> lead(const RescuePlan& plan, double tie) {
+  if (!plan.fastest) return std::nullopt;
+  const double fastest = plan.candidates[*plan.fastest].measured.seconds;
+  std::optional<double> next;
+  for (const Candidate& c : plan.candidates)
+    if (c.status == Candidate::Status::kFits && c.measured.seconds > fastest * (1 + tie) &&
+        (!next || c.measured.seconds < *next))
+      next = c.measured.seconds;
+  if (!next || fastest <= 0) return std::nullopt;
+  return *next / fastest - 1;
+}
 
 bool ran(const Candidate& c) {
   return c.status == Candidate::Status::kFits || c.status == Candidate::Status::kOutOfMemory;
@@ -133,10 +160,12 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
       out << "  (a run saved by Trainer::save resumes under it: Trainer::load converts the optimizer "
              "state)\n";
   }
-  if (plan.noise > kNoisy) {
+  if (const std::optional<double> ahead = lead(plan, options.tie()); ahead && plan.noise >= *ahead) {
     out << "note: the timed steps of one candidate varied by " << percent(plan.noise)
-        << " (the median over the candidates; on a quiet machine a few percent): this machine is busy, and "
-           "another run may rank the step times otherwise\n";
+        << " (the median over the candidates), as much as the " << percent(*ahead)
+        << " by which the fastest led the next candidate outside the tie: another run may recommend "
+           "otherwise "
+           "(rerun with more --steps, or when the machine is quiet)\n";
   }
   if (!plan.recommended && plan.closest_miss) {
     const Candidate& c = plan.candidates[*plan.closest_miss];
@@ -169,6 +198,8 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
   }
   j["tie"] = options.tie();
   j["noise"] = plan.noise;
+  const std::optional<double> ahead = lead(plan, options.tie());
+  j["lead"] = ahead ? nlohmann::json(*ahead) : nlohmann::json(nullptr);
   j["recommended"] = plan.recommended ? nlohmann::json(*plan.recommended) : nlohmann::json(nullptr);
   j["fastest"] = plan.fastest ? nlohmann::json(*plan.fastest) : nlohmann::json(nullptr);
   j["closest_miss"] = plan.closest_miss ? nlohmann::json(*plan.closest_miss) : nlohmann::json(nullptr);
@@ -345,6 +376,11 @@ std::string format_bench(const std::vector<BenchRow>& rows, const std::string& m
     out << "\n" << cell("rule of thumb", 56) << cell("tutorials", 18) << "this run\n";
     for (const RuleRow& r : rule_rows) out << cell(r.rule, 56) << cell(r.tutorials, 18) << r.measured << "\n";
   }
+  if (const double noise = bench_noise(rows); noise > kNoisy) {
+    out << "\nnote: the timed steps of one recipe varied by " << percent(noise)
+        << " (the median over the recipes): the step-time ratios are uncertain by about as much (rerun with "
+           "more --steps, or when the machine is quiet)\n";
+  }
   return out.str();
 }
 
@@ -355,17 +391,16 @@ std::string bench_json(const std::vector<BenchRow>& rows, const std::string& mod
   j["recipes"] = nlohmann::json::array();
   const BenchRow* base = find(rows, "baseline");
   for (const BenchRow& r : rows) {
-    nlohmann::json row = {{"name", r.name},
-                          {"recipe", r.recipe.label()},
-                          {"cpp", r.recipe.to_cpp()},
-                          {"peak", r.measured.peak},
-                          {"seconds", r.measured.seconds}};
+    nlohmann::json row = {
+        {"name", r.name},          {"recipe", r.recipe.label()},    {"cpp", r.recipe.to_cpp()},
+        {"peak", r.measured.peak}, {"seconds", r.measured.seconds}, {"spread", r.measured.spread}};
     if (base) {
       row["peak_ratio"] = static_cast<double>(r.measured.peak) / base->measured.peak;
       row["time_ratio"] = r.measured.seconds / base->measured.seconds;
     }
     j["recipes"].push_back(row);
   }
+  j["noise"] = bench_noise(rows);
   j["rules"] = nlohmann::json::array();
   for (const RuleRow& r : rules(rows, model, batch))
     j["rules"].push_back({{"rule", r.rule}, {"tutorials", r.tutorials}, {"measured", r.measured}});

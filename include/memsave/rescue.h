@@ -144,7 +144,8 @@ struct RescuePlan {
   /// The fastest candidate that fits.
   std::optional<size_t> fastest;
   /// How noisy the step times were: `timing_noise` of the candidates. A few percent on a quiet machine;
-  /// beside a busy process, tens of percent, and then the ranking by step time may not hold.
+  /// beside a busy process, or for steps of milliseconds, tens of percent, and then a ranking by step time
+  /// closer than that may not hold.
   double noise = 0;
   /// When nothing fits: the run whose peak came closest to the budget (or the smallest static bytes).
   std::optional<size_t> closest_miss;
