@@ -353,6 +353,12 @@ void OffloadOptimizer::discard_backward() {
   }
 }
 
+void OffloadOptimizer::gradients_changed() {
+  if (!copies_) return;  // the step copies every gradient anyway
+  std::lock_guard<std::mutex> lock(copies_->mutex);
+  for (BackwardCopies::Slot& slot : copies_->slots) slot.copied.reset();
+}
+
 void OffloadOptimizer::refresh_masters() {
   discard_backward();  // and with it the copies back in flight, which would overwrite the parameters
   torch::NoGradGuard no_grad;

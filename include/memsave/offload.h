@@ -46,9 +46,9 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   TORCH_ARG(int64_t, min_offload_size) = 0;
   /// Copy each gradient to the host during the backward, as soon as it is accumulated (false: at the step).
   /// The step copies again a gradient that was replaced or changed in place since, but it cannot see a
-  /// change written through `.data()`, as LibTorch's `clip_grad_norm_` and `clip_grad_value_` write: with
-  /// them between the backward and the step, leave this off (memsave's Trainer and GradientAccumulator,
-  /// which clip visibly, turn it on).
+  /// change written through `.data()`, as LibTorch's `clip_grad_norm_` and `clip_grad_value_` write: after
+  /// them call `gradients_changed()`, or leave this off (memsave's Trainer and GradientAccumulator, which
+  /// clip visibly, turn it on).
   TORCH_ARG(bool, copy_during_backward) = false;
   /// Also step each parameter during the backward (implies `copy_during_backward`): as soon as its gradient
   /// is on the host, a host thread steps its master and copies it back while the backward goes on, so the CPU
@@ -109,6 +109,11 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// While true, backwards do not copy gradients to the host (more micro-batches of the window follow; the
   /// copies of the last one, or the step, count). Off by default.
   void defer_gradient_copies(bool defer);
+  /// Says that the gradients have changed since the backward in a way their version counters do not show
+  /// (written through `.data()`, as LibTorch's `clip_grad_norm_` does): the step copies every gradient to
+  /// the host again instead of using the copies made during the backward. With `step_during_backward`, a
+  /// parameter the backward has stepped makes the step an error, as any change after the backward does.
+  void gradients_changed();
   /// Forgets what the backwards did since the last step, for a window given up after a failed backward
   /// (memsave's GradientAccumulator, so the Trainer, calls it): waits for the copies and, with
   /// `step_during_backward`, for the host thread, so that the next backward starts afresh. Parameters that
