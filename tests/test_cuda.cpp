@@ -323,6 +323,31 @@ torch::nn::Sequential cuda_mlp() {
   return net;
 }
 
+/// The loss the Trainer tests step with.
+torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) {
+  return torch::nn::functional::cross_entropy(out, target);
+}
+
+/// A cuda_mlp that an fp32 AdamW Trainer stepped once on (x, y) and saved to `file` (in the temporary
+/// directory): a file to resume under a recipe with other state.
+struct SavedRun {
+  torch::nn::Sequential net;
+  torch::Tensor x, y;
+  std::string file;
+};
+SavedRun saved_fp32_run(uint64_t seed, const std::string& name) {
+  torch::manual_seed(seed);
+  SavedRun run;
+  run.x = torch::randn({32, 512}, kCuda);
+  run.y = torch::randint(10, {32}, torch::TensorOptions(kCuda).dtype(torch::kLong));
+  run.file = (std::filesystem::temp_directory_path() / name).string();
+  run.net = cuda_mlp();
+  Trainer trainer(run.net, adamw(1e-3), Recipe());
+  trainer.step(run.x, run.y, ce);
+  trainer.save(run.file);
+  return run;
+}
+
 /// Two CUDA models, one offloaded with `during` (work done while the backward runs) and one with the copies
 /// made at the step, stay bit-identical over 5 steps.
 void expect_backward_work_gives_the_same_steps(const OffloadOptimizerOptions& during_options) {
@@ -373,9 +398,6 @@ TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {
                                                 OffloadOptimizerOptions(1e-3).step_during_backward(true));
   Trainer a(during, opt, recipe);
   Trainer b(at_step, adamw(1e-3), recipe);
-  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
   torch::manual_seed(2);
   for (int step = 0; step < 4; ++step) {
     const auto x = torch::randn({64, 512}, kCuda),
@@ -390,9 +412,6 @@ TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {
 
 TEST(CudaTrainer, SaveAndLoadResumeExactlyOnCuda) {
   SKIP_WITHOUT_CUDA();
-  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
   torch::manual_seed(3);
   std::vector<std::pair<torch::Tensor, torch::Tensor>> batches;
   for (int s = 0; s < 4; ++s)
@@ -470,17 +489,7 @@ TEST(CudaCopyState, ConvertsCudaStateAsItConvertsCpuState) {
 
 TEST(CudaCopyState, TheTrainerConvertsAFileReadIntoHostMemory) {
   SKIP_WITHOUT_CUDA();
-  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
-  torch::manual_seed(5);
-  const torch::Tensor x = torch::randn({32, 512}, kCuda);
-  const torch::Tensor y = torch::randint(10, {32}, torch::TensorOptions(kCuda).dtype(torch::kLong));
-  const std::string file = (std::filesystem::temp_directory_path() / "memsave_cuda_convert.pt").string();
-  auto saved = cuda_mlp();
-  Trainer a(saved, adamw(1e-3), Recipe());
-  a.step(x, y, ce);
-  a.save(file);
+  const auto [saved, x, y, file] = saved_fp32_run(5, "memsave_cuda_convert.pt");
   auto resumed = cuda_mlp();
   Trainer b(resumed, adamw(1e-3), Recipe().state_bits(8));
   torch::serialize::InputArchive archive;
@@ -499,17 +508,7 @@ TEST(CudaCopyState, TheTrainerConvertsAFileReadIntoHostMemory) {
 
 TEST(CudaCopyState, TheTrainerReadsAFileItConvertsIntoHostMemory) {
   SKIP_WITHOUT_CUDA();
-  auto ce = [](const torch::Tensor& out, const torch::Tensor& target) {
-    return torch::nn::functional::cross_entropy(out, target);
-  };
-  torch::manual_seed(6);
-  const torch::Tensor x = torch::randn({32, 512}, kCuda);
-  const torch::Tensor y = torch::randint(10, {32}, torch::TensorOptions(kCuda).dtype(torch::kLong));
-  const std::string file = (std::filesystem::temp_directory_path() / "memsave_cuda_convert_path.pt").string();
-  auto saved = cuda_mlp();
-  Trainer a(saved, adamw(1e-3), Recipe());
-  a.step(x, y, ce);
-  a.save(file);
+  const auto [saved, x, y, file] = saved_fp32_run(6, "memsave_cuda_convert_path.pt");
   int64_t param_bytes = 0;
   for (const auto& p : saved->parameters()) param_bytes += p.numel() * p.element_size();
   for (const Recipe& recipe : {Recipe().state_bits(8), Recipe().state_bits(4),

@@ -65,9 +65,9 @@ std::string percent(double fraction) {
   return buf;
 }
 
-/// Timing noise (RescuePlan::noise) above which `bench` says its ratios are uncertain: quiet, this project's
-/// machine measures 2-3% on gpt-tiny's steps (a tenth of a second) and about 10% on the mlp's (milliseconds);
-/// beside one spinning process 28-80% (bench/RESULTS-rescue.md).
+/// Timing noise (RescuePlan::noise) above which `bench` says its ratios are uncertain: in `memsave rescue`,
+/// this project's machine measures 1-3% quiet on gpt-tiny's steps (a tenth of a second), 18-56% on the mlp's
+/// (milliseconds), and 43-72% on gpt-tiny's beside one spinning process (bench/RESULTS-rescue.md).
 constexpr double kNoisy = 0.10;
 
 /// The timing noise of a benchmark's rows, as the rescue measures it over its candidates.
