@@ -2,8 +2,10 @@
 // per element: the quantized AdamW step (8-bit state in blocks of 256, 4-bit in blocks of 128), the
 // fp32-state step, and the code-book look-ups alone, for each storage type of the parameters; and the
 // quantized steps of fp32 parameters on 2^24 elements, which stream from memory (a look-up that wins in cache
-// can lose there). The instruction set is the one the kernels chose at start-up
-// (MEMSAVE_CPU_ISA=avx512vbmi|avx512|avx2|baseline caps it); bench/RESULTS-optim.md quotes it.
+// can lose there); and the offload's gradient fingerprint beside a plain copy. The instruction set is the one
+// the kernels chose at start-up (MEMSAVE_CPU_ISA=avx512vbmi|avx512|avx2|baseline caps it); the fingerprint is
+// the header's inline loop, compiled as the glue compiles it. bench/RESULTS-optim.md quotes them.
+#include "fingerprint.h"
 #include "optim_cpu.h"
 #include "qmap.h"
 
@@ -11,6 +13,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -145,6 +148,37 @@ void BM_Dequantize(benchmark::State& state) {
   per_element(state, std::to_string(bits) + "-bit " + (is_signed ? "signed" : "unsigned") + " book");
 }
 BENCHMARK(BM_Dequantize)->ArgsProduct({{8, 4}, {1, 0}});
+
+/// Args: storage type, log2 of the elements. The offload's gradient fingerprint (kernels/fingerprint.h): one
+/// read of the gradient, beside a copy of the same bytes (what copying the gradient again would cost on the
+/// CPU; its bytes read and written are the floor's measure of bandwidth).
+void BM_Fingerprint(benchmark::State& state) {
+  const auto dtype = static_cast<k::DType>(state.range(0));
+  const std::int64_t n = std::int64_t{1} << state.range(1);
+  const Tensors t(dtype, n);
+  std::uint64_t print = 0;
+  for (auto _ : state) {
+    print += k::fingerprint(t.grad(), dtype, 0, n);
+    benchmark::DoNotOptimize(print);
+  }
+  per_element(state, std::string("fingerprint, ") + dtype_name(dtype) + " gradient", n);
+  state.SetBytesProcessed(state.iterations() * n * (dtype == k::DType::kFloat32 ? 4 : 2));
+}
+BENCHMARK(BM_Fingerprint)->ArgsProduct({{0, 1}, {16, 24}});
+
+/// Arg: log2 of the fp32 elements. A plain copy (bytes processed: read plus written).
+void BM_CopyFp32(benchmark::State& state) {
+  const std::int64_t n = std::int64_t{1} << state.range(0);
+  const Tensors t(k::DType::kFloat32, n);
+  std::vector<float> out(static_cast<size_t>(n));
+  for (auto _ : state) {
+    std::memcpy(out.data(), t.grad(), static_cast<size_t>(n) * 4);
+    benchmark::ClobberMemory();
+  }
+  per_element(state, "memcpy, fp32", n);
+  state.SetBytesProcessed(state.iterations() * n * 8);
+}
+BENCHMARK(BM_CopyFp32)->Arg(16)->Arg(24);
 
 }  // namespace
 

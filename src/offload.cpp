@@ -1,5 +1,6 @@
 #include "memsave/offload.h"
 
+#include "../kernels/fingerprint.h"
 #include "archive.h"
 #include "compat.h"
 #ifdef MEMSAVE_WITH_CUDA
@@ -7,6 +8,7 @@
 #include "offload_internal.h"
 #endif
 
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/autograd/function.h>
@@ -76,6 +78,31 @@ torch::optim::AdamWOptions device_options(const OffloadOptimizerOptions& o) {
   return torch::optim::AdamWOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
 }
 
+/// Whether kernels/fingerprint.h reads `g`: fp32, bf16 or fp16 elements filling their memory, in any order
+/// (the sum does not depend on it). Others are copied again at every step.
+bool has_fingerprint(const torch::Tensor& g) {
+  const auto t = g.scalar_type();
+  return (t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf) &&
+         g.is_non_overlapping_and_dense();
+}
+
+kernels::DType kernel_dtype(const torch::Tensor& g) {
+  if (g.scalar_type() == torch::kBFloat16) return kernels::DType::kBFloat16;
+  return g.scalar_type() == torch::kHalf ? kernels::DType::kFloat16 : kernels::DType::kFloat32;
+}
+
+/// kernels/fingerprint.h's fingerprint of a CPU gradient, on all threads (any split gives the same sum).
+uint64_t fingerprint_cpu(const torch::Tensor& g) {
+  const void* data = g.data_ptr();
+  const kernels::DType dtype = kernel_dtype(g);
+  return at::parallel_reduce(
+      int64_t{0}, g.numel(), int64_t{1} << 16, uint64_t{0},
+      [&](int64_t begin, int64_t end, uint64_t sum) {
+        return sum + kernels::fingerprint(data, dtype, begin, end);
+      },
+      [](uint64_t a, uint64_t b) { return a + b; });
+}
+
 }  // namespace
 
 /// What the gradient hooks share with the optimizer. A hook outlives neither the state (it holds it) nor the
@@ -88,6 +115,10 @@ struct OffloadOptimizer::BackwardCopies {
     /// version then.
     std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> copied;
     uint32_t version = 0;
+    /// Whether the backward fingerprinted the gradient before copying it (kernels/fingerprint.h): on the CPU
+    /// `print` holds it, on CUDA entry `slot` of `prints`.
+    bool printed = false;
+    uint64_t print = 0;
     compat::NodeRef accumulator;
     uintptr_t hook_key = 0;
   };
@@ -97,6 +128,9 @@ struct OffloadOptimizer::BackwardCopies {
   bool owner_alive = true;
   int64_t made = 0;                        ///< copies since the last step
   std::optional<c10::Stream> side_stream;  ///< CUDA: where the copies run
+  /// CUDA: the fingerprints, the backward's of each slot then the step's (2 x slots, made with the optimizer,
+  /// so that a backward allocates nothing on the device).
+  torch::Tensor prints;
 
   // step_during_backward: a host thread steps each parameter whose gradient has been copied.
   struct Arrived {
@@ -125,21 +159,28 @@ struct OffloadOptimizer::BackwardCopies {
     Slot& s = slots[i];
     const torch::Tensor& g = s.param.grad();
     if (!g.defined() || g.is_sparse() || g.sizes() != s.param.sizes()) return;  // the step says why
+    // NOTE: the fingerprint is taken before the copy, so that a copy racing a clip on CUDA's compute stream
+    // is caught: when the step finds the same fingerprint, every element the clip changed had its final value
+    // when the fingerprint read it, so also when the copy read it after.
+    bool printed = false;
     if (g.is_cuda()) {
 #ifdef MEMSAVE_WITH_CUDA
       if (!side_stream) side_stream = detail::side_stream(g.device());
+      detail::wait_for_current_stream(*side_stream, g.device());
+      printed = take_print(i, g, *side_stream);
       detail::copy_on_side_stream(*side_stream, s.host, g);
 #else
       // a LibTorch with CUDA but memsave without: the step copies
       return;
 #endif
     } else {
+      printed = take_print(i, g, std::nullopt);
       torch::NoGradGuard no_grad;
       s.host.copy_(g);
     }
-    record(i, g);
+    record(i, g, printed);
     ++made;
-    if (step_slot && can_step[i]) {
+    if (step_slot && can_step[i] && printed) {  // (the step could not tell a change of the others)
       Arrived a{i, std::nullopt};
       if (g.is_cuda()) {
         a.copied.emplace(c10::DeviceType::CUDA);
@@ -195,10 +236,29 @@ struct OffloadOptimizer::BackwardCopies {
     return since;
   }
 
-  /// Notes that slot `i`'s host buffer now holds `g` as it is.
-  void record(size_t i, const torch::Tensor& g) {
+  /// Takes the fingerprint of slot `i`'s gradient `g`, about to be copied (on CUDA on `stream`, or on the
+  /// current stream); false for a gradient without one, which the next step copies again.
+  bool take_print(size_t i, const torch::Tensor& g, const std::optional<c10::Stream>& stream) {
+    if (!has_fingerprint(g)) return false;
+    if (!g.is_cuda()) {
+      slots[i].print = fingerprint_cpu(g);
+      return true;
+    }
+#ifdef MEMSAVE_WITH_CUDA
+    detail::fingerprint_on_stream(stream ? *stream : detail::cuda_current_stream(g.device().index()), g,
+                                  prints, static_cast<int64_t>(i));
+    return true;
+#else
+    (void)stream;
+    return false;
+#endif
+  }
+
+  /// Notes that slot `i`'s host buffer now holds `g` as it is (`printed`: with its fingerprint taken).
+  void record(size_t i, const torch::Tensor& g, bool printed) {
     slots[i].copied.emplace(g.getIntrusivePtr());
     slots[i].version = g._version();
+    slots[i].printed = printed;
   }
 
   /// Waits for the copies queued on the side streams.
@@ -209,13 +269,38 @@ struct OffloadOptimizer::BackwardCopies {
 #endif
   }
 
-  /// Whether the host buffer of slot `i` holds the gradient as it is now.
-  bool fresh(size_t i) const {
-    const Slot& s = slots[i];
-    const torch::Tensor& g = s.param.grad();
-    if (!s.copied || !g.defined()) return false;
-    const auto copied = s.copied->lock();
-    return copied.get() == g.unsafeGetTensorImpl() && s.version == g._version();
+  /// Per slot: whether its host buffer holds the gradient as it is now: the same tensor, at the same version
+  /// (which sees a gradient replaced, unscaled or accumulated) and with the same fingerprint (which also sees
+  /// a write through `.data()`, as LibTorch's clip_grad_norm_ writes). Call after `wait()`. On CUDA, one
+  /// synchronization of the device's current stream.
+  std::vector<char> unchanged() {
+    std::vector<char> same(slots.size(), 0);
+    std::vector<size_t> on_device;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const Slot& s = slots[i];
+      const torch::Tensor& g = s.param.grad();
+      if (!s.copied || !s.printed || !g.defined()) continue;
+      if (s.copied->lock().get() != g.unsafeGetTensorImpl() || s.version != g._version()) continue;
+      if (g.is_cuda()) {
+        on_device.push_back(i);
+      } else {
+        same[i] = fingerprint_cpu(g) == s.print;
+      }
+    }
+#ifdef MEMSAVE_WITH_CUDA
+    if (!on_device.empty()) {
+      const auto n = static_cast<int64_t>(slots.size());
+      for (size_t i : on_device) {
+        const torch::Tensor& g = slots[i].param.grad();
+        detail::fingerprint_on_stream(detail::cuda_current_stream(g.device().index()), g, prints,
+                                      n + static_cast<int64_t>(i));
+      }
+      const torch::Tensor host = prints.cpu();
+      const int64_t* print = host.data_ptr<int64_t>();
+      for (size_t i : on_device) same[i] = print[i] == print[n + static_cast<int64_t>(i)];
+    }
+#endif
+    return same;
   }
 };
 
@@ -306,6 +391,12 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
     // node and its hook (a parameter keeps only a weak reference to it).
     copies_ = std::make_shared<BackwardCopies>();
     copies_->slots.resize(offloaded_.size());
+#ifdef MEMSAVE_WITH_CUDA
+    if (device.is_cuda()) {
+      copies_->prints = torch::zeros({2 * static_cast<int64_t>(offloaded_.size())},
+                                     torch::dtype(torch::kLong).device(device));
+    }
+#endif
     for (size_t i = 0; i < offloaded_.size(); ++i) {
       BackwardCopies::Slot& slot = copies_->slots[i];
       slot.param = offloaded_[i].param;
@@ -351,12 +442,6 @@ void OffloadOptimizer::discard_backward() {
     std::lock_guard<std::mutex> lock(copies_->mutex);
     copies_->failure = since.failure;
   }
-}
-
-void OffloadOptimizer::gradients_changed() {
-  if (!copies_) return;  // the step copies every gradient anyway
-  std::lock_guard<std::mutex> lock(copies_->mutex);
-  for (BackwardCopies::Slot& slot : copies_->slots) slot.copied.reset();
 }
 
 void OffloadOptimizer::refresh_masters() {
@@ -424,23 +509,30 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
     TORCH_CHECK(!g.defined() || !g.is_sparse(), "OffloadOptimizer: sparse gradients are not supported");
     TORCH_CHECK(!g.defined() || g.sizes() == o.param.sizes(), "OffloadOptimizer: a gradient of shape ",
                 g.sizes(), " for a parameter of shape ", o.param.sizes());
+  }
+  //    A gradient copied during the backward and unchanged since is not copied again.
+  std::vector<char> unchanged(offloaded_.size(), 0);
+  if (copies_) {
+    copies_->wait();  // before a copy below can write a buffer the side streams write
+    unchanged = copies_->unchanged();
+  }
+  for (size_t i = 0; i < offloaded_.size(); ++i) {
     TORCH_CHECK(
-        !stepped[i] || copies_->fresh(i), "OffloadOptimizer: the gradient of offloaded parameter ", i,
-        " (shape ", o.param.sizes(),
+        !stepped[i] || unchanged[i], "OffloadOptimizer: the gradient of offloaded parameter ", i, " (shape ",
+        offloaded_[i].param.sizes(),
         ") changed after the backward stepped the parameter (step_during_backward): nothing may change "
         "the gradients between the backward and the step");
   }
-  //    A gradient copied during the backward and unchanged since is not copied again.
   bool on_cuda = false;
-  if (copies_) copies_->wait();  // before a copy below can write a buffer the side streams write
   std::vector<size_t> to_step;
   for (size_t i = 0; i < offloaded_.size(); ++i) {
     Offloaded& o = offloaded_[i];
     const torch::Tensor& g = o.param.grad();
     if (!g.defined() || stepped[i]) continue;  // no gradient, or stepped already: the master is not stepped
-    if (!copies_ || !copies_->fresh(i)) {
+    if (!unchanged[i]) {
+      const bool printed = copies_ && copies_->take_print(i, g, /*stream=*/std::nullopt);
       o.landing().copy_(g, /*non_blocking=*/g.is_cuda());
-      if (copies_) copies_->record(i, g);
+      if (copies_) copies_->record(i, g, printed);
       ++last_copies_.at_step;
     }
     to_step.push_back(i);

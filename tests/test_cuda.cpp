@@ -7,6 +7,7 @@
 #include <memsave/optim.h>
 #include <memsave/trainer.h>
 
+#include "../kernels/fingerprint.h"
 #include "../kernels/optim_cuda.h"
 #include "../src/memory_internal.h"
 
@@ -385,6 +386,57 @@ TEST(CudaOffload, ParametersSteppedDuringTheBackwardGiveTheSameStep) {
   // The host thread waits for each gradient's copy, steps, and copies the parameter back on a stream of its
   // own, which the step waits for before the next forward.
   expect_backward_work_gives_the_same_steps(OffloadOptimizerOptions(1e-3).step_during_backward(true));
+}
+
+TEST(CudaOffload, FingerprintsOnTheDeviceAreTheCpuFingerprints) {
+  SKIP_WITHOUT_CUDA();
+  // kernels/fingerprint_cuda.cu against kernels/fingerprint.h over the same bits: one element, four thread
+  // blocks' worth, and 10^8 elements, where the grid strides.
+  torch::manual_seed(4);
+  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    for (const int64_t n : {int64_t{1}, int64_t{1000}, int64_t{100000007}}) {
+      const torch::Tensor g = torch::randn({n}, torch::TensorOptions(kCuda).dtype(dtype));
+      torch::Tensor out = torch::full({1}, -1, torch::TensorOptions(kCuda).dtype(torch::kLong));
+      kernels::CudaFingerprint f;
+      f.data = g.data_ptr();
+      f.dtype = dtype == torch::kFloat      ? kernels::DType::kFloat32
+                : dtype == torch::kBFloat16 ? kernels::DType::kBFloat16
+                                            : kernels::DType::kFloat16;
+      f.numel = n;
+      f.out = reinterpret_cast<uint64_t*>(out.data_ptr<int64_t>());
+      ASSERT_EQ(kernels::launch_fingerprint_cuda(f, at::cuda::getCurrentCUDAStream().stream()), 0);
+      const torch::Tensor host = g.cpu();
+      EXPECT_EQ(static_cast<uint64_t>(out.cpu().item<int64_t>()),
+                kernels::fingerprint(host.data_ptr(), f.dtype, 0, n))
+          << dtype << " " << n;
+    }
+  }
+}
+
+TEST(CudaOffload, AClipThroughDataAfterTheBackwardIsCopiedAgain) {
+  SKIP_WITHOUT_CUDA();
+  // LibTorch's clip_grad_norm_ writes through .data() on the compute stream, while the side stream may
+  // still be copying: the fingerprints taken before the copies see it, and the step copies every clipped
+  // gradient again. The reference copies at the step.
+  auto during = cuda_mlp(), at_step = cuda_mlp();
+  OffloadOptimizer a(during->parameters(), OffloadOptimizerOptions(1e-3).copy_during_backward(true));
+  OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3));
+  torch::manual_seed(2);
+  for (int step = 0; step < 4; ++step) {
+    const auto x = torch::randn({64, 512}, kCuda),
+               y = torch::randint(10, {64}, torch::TensorOptions(kCuda).dtype(torch::kLong));
+    for (auto* opt : {&a, &b}) {
+      auto& net = opt == &a ? during : at_step;
+      opt->zero_grad();
+      torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+      ASSERT_GT(torch::nn::utils::clip_grad_norm_(net->parameters(), 1e-3), 1e-3);
+      opt->step();
+    }
+    EXPECT_EQ(a.last_step_copies().during_backward, 4);
+    EXPECT_EQ(a.last_step_copies().at_step, 4);
+  }
+  for (size_t i = 0; i < during->parameters().size(); ++i)
+    EXPECT_TRUE(torch::equal(during->parameters()[i], at_step->parameters()[i])) << i;
 }
 
 TEST(CudaOffload, TheTrainerStepsDuringTheBackwardOnCuda) {

@@ -541,42 +541,47 @@ TEST(Offload, ClippingSeesTheTrueGradients) {
   }
 }
 
-TEST(Offload, GradientsChangedThroughDataAreCopiedAgainWhenTold) {
-  // LibTorch's clip_grad_norm_ scales the gradients through .data(), which their version counters do not
-  // see: after it, gradients_changed() makes the step copy them again instead of using the unclipped copies
-  // of the backward. The reference copies at the step.
-  for (int bits : {32, 8}) {
-    SCOPED_TRACE(bits);
-    auto during = model(), at_step = model();
-    OffloadOptimizer a(during->parameters(),
-                       OffloadOptimizerOptions(1e-3).state_bits(bits).copy_during_backward(true));
-    OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
-    const auto n = static_cast<int64_t>(during->parameters().size());
-    for (auto* opt : {&a, &b}) {
-      auto& net = opt == &a ? during : at_step;
-      torch::manual_seed(8);
-      for (int s = 0; s < 4; ++s) {
-        const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
-        opt->zero_grad();
-        F::cross_entropy(net->forward(x), y).backward();
-        const double norm = torch::nn::utils::clip_grad_norm_(net->parameters(), 0.05);
-        ASSERT_GT(norm, 0.05);  // it clips
-        opt->gradients_changed();
-        opt->step();
+TEST(Offload, GradientsChangedThroughDataAreCopiedAgain) {
+  // LibTorch's clip_grad_norm_ and clip_grad_value_ write the gradients through .data(), which their version
+  // counters do not see: the fingerprints do, and the step copies those gradients again instead of using the
+  // unclipped copies of the backward. The reference copies at the step.
+  enum class Clip { kNorm, kValue, kNone };
+  for (const Clip clip : {Clip::kNorm, Clip::kValue, Clip::kNone}) {
+    for (int bits : {32, 8}) {
+      SCOPED_TRACE(std::to_string(static_cast<int>(clip)) + " " + std::to_string(bits));
+      auto during = model(), at_step = model();
+      OffloadOptimizer a(during->parameters(),
+                         OffloadOptimizerOptions(1e-3).state_bits(bits).copy_during_backward(true));
+      OffloadOptimizer b(at_step->parameters(), OffloadOptimizerOptions(1e-3).state_bits(bits));
+      const auto n = static_cast<int64_t>(during->parameters().size());
+      for (auto* opt : {&a, &b}) {
+        auto& net = opt == &a ? during : at_step;
+        torch::manual_seed(8);
+        for (int s = 0; s < 4; ++s) {
+          const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+          opt->zero_grad();
+          F::cross_entropy(net->forward(x), y).backward();
+          if (clip == Clip::kNorm) {
+            ASSERT_GT(torch::nn::utils::clip_grad_norm_(net->parameters(), 0.05), 0.05);  // it clips
+          } else if (clip == Clip::kValue) {
+            torch::nn::utils::clip_grad_value_(net->parameters(), 1e-5);
+          }
+          opt->step();
+        }
       }
+      EXPECT_EQ(a.last_step_copies().during_backward, n);
+      EXPECT_EQ(a.last_step_copies().at_step, clip == Clip::kNone ? 0 : n);  // only the clipped ones again
+      expect_same_parameters(during, at_step);
     }
-    EXPECT_EQ(a.last_step_copies().during_backward, n);
-    EXPECT_EQ(a.last_step_copies().at_step, n);  // every gradient again
-    expect_same_parameters(during, at_step);
   }
-  // With step_during_backward the parameters are stepped already: telling of a change is an error at the
-  // step.
+  // With step_during_backward the parameters are stepped already: a clip after the backward is an error at
+  // the step.
   auto net = model();
   OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).step_during_backward(true));
   train(net, opt, 2);
   opt.zero_grad();
   F::cross_entropy(net->forward(torch::randn({32, 64})), torch::randint(8, {32})).backward();
-  opt.gradients_changed();
+  torch::nn::utils::clip_grad_norm_(net->parameters(), 1e-3);
   EXPECT_THROW(opt.step(), c10::Error);
 }
 

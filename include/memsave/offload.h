@@ -10,9 +10,9 @@
 // With `copy_during_backward`, each gradient is copied to the host as soon as the backward has accumulated
 // it (a post-hook on the parameter's gradient accumulator; on CUDA on a side stream, so the copies overlap
 // the rest of the backward), and the step copies again only what changed since (a gradient replaced, or
-// modified in place: unscaled, accumulated by a later micro-batch). Under accumulation,
-// `defer_gradient_copies(true)` skips the copies of the micro-batches before the last (memsave's
-// GradientAccumulator, so the Trainer, does it): the gradients are copied once per window.
+// modified in place: unscaled, accumulated by a later micro-batch, clipped by LibTorch's clip_grad_norm_).
+// Under accumulation, `defer_gradient_copies(true)` skips the copies of the micro-batches before the last
+// (memsave's GradientAccumulator, so the Trainer, does it): the gradients are copied once per window.
 //
 // On a machine without a GPU the "device" is the CPU device pool, and the state in the host arena is what a
 // GPU would not have to hold: the meter shows the saving ("CPU, simulated device").
@@ -45,10 +45,11 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// Tensors with fewer elements stay on the device with an on-device AdamW (0: offload everything).
   TORCH_ARG(int64_t, min_offload_size) = 0;
   /// Copy each gradient to the host during the backward, as soon as it is accumulated (false: at the step).
-  /// The step copies again a gradient that was replaced or changed in place since, but it cannot see a
-  /// change written through `.data()`, as LibTorch's `clip_grad_norm_` and `clip_grad_value_` write: after
-  /// them call `gradients_changed()`, or leave this off (memsave's Trainer and GradientAccumulator, which
-  /// clip visibly, turn it on).
+  /// The step copies again a gradient that was replaced or changed since: its version counter shows a change
+  /// in place, and a fingerprint of its bits taken before the copy (kernels/fingerprint.h, one read of the
+  /// gradient on the device at the copy and one at the step) a write through `.data()` that the counter
+  /// misses, as LibTorch's `clip_grad_norm_` and `clip_grad_value_` write: any clip, scale or zeroing is
+  /// seen. Gradients other than fp32, bf16 or fp16 are copied again at every step.
   TORCH_ARG(bool, copy_during_backward) = false;
   /// Also step each parameter during the backward (implies `copy_during_backward`): as soon as its gradient
   /// is on the host, a host thread steps its master and copies it back while the backward goes on, so the CPU
@@ -109,11 +110,6 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// While true, backwards do not copy gradients to the host (more micro-batches of the window follow; the
   /// copies of the last one, or the step, count). Off by default.
   void defer_gradient_copies(bool defer);
-  /// Says that the gradients have changed since the backward in a way their version counters do not show
-  /// (written through `.data()`, as LibTorch's `clip_grad_norm_` does): the step copies every gradient to
-  /// the host again instead of using the copies made during the backward. With `step_during_backward`, a
-  /// parameter the backward has stepped makes the step an error, as any change after the backward does.
-  void gradients_changed();
   /// Forgets what the backwards did since the last step, for a window given up after a failed backward
   /// (memsave's GradientAccumulator, so the Trainer, calls it): waits for the copies and, with
   /// `step_during_backward`, for the host thread, so that the next backward starts afresh. Parameters that

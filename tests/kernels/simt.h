@@ -1,8 +1,9 @@
-// A thread-per-lane emulation of the CUDA primitives that kernels/optim_cuda_kernels.cuh is written against,
-// so that the kernels' indexing, striding, reductions and launch logic run, as host C++, on a machine without
-// a GPU: every CUDA thread of a thread block is an OS thread, __syncthreads a barrier of the block and
-// __shfl_xor_sync an exchange through a barrier of the warp. Thread blocks run one after another (the kernels
-// never wait on another block), so __shared__ arrays can be plain statics.
+// A thread-per-lane emulation of the CUDA primitives that kernels/optim_cuda_kernels.cuh and
+// kernels/fingerprint_cuda.cuh are written against, so that the kernels' indexing, striding, reductions and
+// launch logic run, as host C++, on a machine without a GPU: every CUDA thread of a thread block is an OS
+// thread, __syncthreads a barrier of the block, __shfl_xor_sync an exchange through a barrier of the warp and
+// atomicAdd a host atomic. Thread blocks run one after another (the kernels never wait on another block), so
+// __shared__ arrays can be plain statics.
 //
 // It checks what CUDA leaves undefined and a GPU would not report: a shuffle or a barrier that some thread of
 // its warp or block does not reach (it has returned, or waits elsewhere). The program then stops with a
@@ -156,4 +157,9 @@ T __shfl_xor_sync(unsigned mask, T value, int lane_mask) {
   T result;
   std::memcpy(&result, &slot[lane ^ static_cast<unsigned>(lane_mask)], sizeof(T));
   return result;
+}
+
+/// Adds `value` to `*address` atomically and returns the value before (the 64-bit overload CUDA has).
+inline unsigned long long atomicAdd(unsigned long long* address, unsigned long long value) {
+  return __atomic_fetch_add(address, value, __ATOMIC_RELAXED);
 }
