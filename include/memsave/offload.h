@@ -56,8 +56,9 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// step overlaps the device's work; `step()` waits for those and steps the rest. From the second step on
   /// (the first creates the state, all at once). Nothing may change the gradients between the backward and
   /// the step: memsave's GradScaler refuses such an optimizer, and so do a GradientAccumulator (and a
-  /// Trainer) that clips or scales; a gradient changed afterwards (visibly) is an error at `step()`, when its
-  /// parameter has already been stepped. memsave's GradientAccumulator (so the Trainer) defers the copies to
+  /// Trainer) that clips or scales; a gradient changed afterwards (in place, or through `.data()` as
+  /// LibTorch's clip_grad_norm_ writes) is an error at `step()`, when its parameter has already been stepped;
+  /// gradients other than fp32, bf16 or fp16 are stepped at the step. memsave's GradientAccumulator (so the Trainer) defers the copies to
   /// a window's last micro-batch itself; to accumulate by hand, `defer_gradient_copies(true)` for every
   /// micro-batch but the window's last: a gradient accumulated after its parameter was stepped is an error at
   /// `step()`. A parameter must not be read by the backward after its gradient is complete (a `.detach()`ed
