@@ -99,7 +99,7 @@ TEST(Fingerprint, SeesEveryClipScaleOrZeroingOfAGradient) {
                                 3.0f};
   std::mt19937 rng(11);
   int changed = 0, seen = 0;
-  for (int trial = 0; trial < 40; ++trial) {
+  for (int trial = 0; trial < 20; ++trial) {
     for (const std::int64_t n : {1, 7, 1000, 65536}) {
       const std::vector<float> g = gradient(rng, n);
       std::vector<std::vector<float>> edits;
@@ -115,22 +115,25 @@ TEST(Fingerprint, SeesEveryClipScaleOrZeroingOfAGradient) {
       std::vector<float> clamped = g;
       for (float& x : clamped) x = std::min(std::max(x, -limit), limit);
       edits.push_back(clamped);
+      const std::uint64_t print = fingerprint_of(g, DType::kFloat32);
+      const std::vector<std::uint16_t> g_bf16 = to_bf16(g), g_fp16 = to_fp16(g);
+      const std::uint64_t print_bf16 = fingerprint_of(g_bf16, DType::kBFloat16);
+      const std::uint64_t print_fp16 = fingerprint_of(g_fp16, DType::kFloat16);
       for (const std::vector<float>& e : edits) {
         const bool differs = std::memcmp(e.data(), g.data(), g.size() * 4) != 0;
-        const bool differs16 = to_bf16(e) != to_bf16(g);
         changed += differs;
-        seen += differs && fingerprint_of(e, DType::kFloat32) != fingerprint_of(g, DType::kFloat32);
-        if (differs16) {
-          EXPECT_NE(fingerprint_of(to_bf16(e), DType::kBFloat16),
-                    fingerprint_of(to_bf16(g), DType::kBFloat16));
+        seen += differs && fingerprint_of(e, DType::kFloat32) != print;
+        const std::vector<std::uint16_t> e_bf16 = to_bf16(e), e_fp16 = to_fp16(e);
+        if (e_bf16 != g_bf16) {
+          EXPECT_NE(fingerprint_of(e_bf16, DType::kBFloat16), print_bf16);
         }
-        if (to_fp16(e) != to_fp16(g)) {
-          EXPECT_NE(fingerprint_of(to_fp16(e), DType::kFloat16), fingerprint_of(to_fp16(g), DType::kFloat16));
+        if (e_fp16 != g_fp16) {
+          EXPECT_NE(fingerprint_of(e_fp16, DType::kFloat16), print_fp16);
         }
       }
     }
   }
-  EXPECT_GT(changed, 1000);  // the edits do change gradients: the test is not vacuous
+  EXPECT_GT(changed, 500);  // the edits do change gradients: the test is not vacuous
   EXPECT_EQ(seen, changed);
 }
 
