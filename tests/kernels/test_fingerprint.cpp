@@ -18,12 +18,6 @@
 namespace memsave::kernels {
 namespace {
 
-std::uint32_t bits_of(float x) {
-  std::uint32_t b;
-  std::memcpy(&b, &x, 4);
-  return b;
-}
-
 /// The reference: the elements' bits as signed integers, summed in 64-bit signed arithmetic (no overflow for
 /// these sizes), then taken modulo 2^64.
 std::uint64_t reference(const std::vector<float>& v) {
@@ -159,7 +153,7 @@ TEST(EmulatedCudaFingerprint, IsTheCpuFingerprint) {
   for (const std::int64_t n : {0, 1, 31, 32, 257, 768, 100003}) {
     const std::vector<float> g = gradient(rng, n);
     std::vector<std::uint32_t> bits;
-    for (const float x : g) bits.push_back(bits_of(x));
+    for (const float x : g) bits.push_back(to_bits(x));
     for (const std::int64_t most : {1, 3}) {
       EXPECT_EQ(emulated(bits, most), fingerprint_of(g, DType::kFloat32)) << n << " elements, " << most;
       EXPECT_EQ(emulated(to_bf16(g), most), fingerprint_of(to_bf16(g), DType::kBFloat16)) << n;
