@@ -5,6 +5,7 @@
 
 #include "../kernels/finite.h"
 #include "compat.h"
+#include "kernel_dtype.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
@@ -24,14 +25,11 @@ namespace {
 /// The read-only inf/NaN check of kernels/finite.h over a CPU gradient, on all threads.
 bool all_finite_cpu(const torch::Tensor& grad) {
   const torch::Tensor g = grad.contiguous();
-  kernels::DType dtype = kernels::DType::kFloat32;
-  if (g.scalar_type() == torch::kBFloat16) dtype = kernels::DType::kBFloat16;
-  if (g.scalar_type() == torch::kHalf) dtype = kernels::DType::kFloat16;
-  if (g.scalar_type() != torch::kFloat && dtype == kernels::DType::kFloat32)
-    return g.isfinite().all().item<bool>();
+  const std::optional<kernels::DType> dtype = kernel_dtype(g.scalar_type());
+  if (!dtype) return g.isfinite().all().item<bool>();
   std::atomic<bool> finite{true};
   at::parallel_for(0, g.numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    if (!kernels::all_finite(g.data_ptr(), dtype, begin, end)) finite = false;
+    if (!kernels::all_finite(g.data_ptr(), *dtype, begin, end)) finite = false;
   });
   return finite;
 }

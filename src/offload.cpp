@@ -3,6 +3,7 @@
 #include "../kernels/fingerprint.h"
 #include "archive.h"
 #include "compat.h"
+#include "kernel_dtype.h"
 #ifdef MEMSAVE_WITH_CUDA
 #include "memory_internal.h"
 #include "offload_internal.h"
@@ -81,20 +82,13 @@ torch::optim::AdamWOptions device_options(const OffloadOptimizerOptions& o) {
 /// Whether kernels/fingerprint.h reads `g`: fp32, bf16 or fp16 elements filling their memory, in any order
 /// (the sum does not depend on it). Others are copied again at every step.
 bool has_fingerprint(const torch::Tensor& g) {
-  const auto t = g.scalar_type();
-  return (t == torch::kFloat || t == torch::kBFloat16 || t == torch::kHalf) &&
-         g.is_non_overlapping_and_dense();
-}
-
-kernels::DType kernel_dtype(const torch::Tensor& g) {
-  if (g.scalar_type() == torch::kBFloat16) return kernels::DType::kBFloat16;
-  return g.scalar_type() == torch::kHalf ? kernels::DType::kFloat16 : kernels::DType::kFloat32;
+  return kernel_dtype(g.scalar_type()) && g.is_non_overlapping_and_dense();
 }
 
 /// kernels/fingerprint.h's fingerprint of a CPU gradient, on all threads (any split gives the same sum).
 uint64_t fingerprint_cpu(const torch::Tensor& g) {
   const void* data = g.data_ptr();
-  const kernels::DType dtype = kernel_dtype(g);
+  const kernels::DType dtype = kernel_dtype(g.scalar_type()).value();
   return at::parallel_reduce(
       int64_t{0}, g.numel(), int64_t{1} << 16, uint64_t{0},
       [&](int64_t begin, int64_t end, uint64_t sum) {
@@ -162,19 +156,19 @@ struct OffloadOptimizer::BackwardCopies {
     // NOTE: the fingerprint is taken before the copy, so that a copy racing a clip on CUDA's compute stream
     // is caught: when the step finds the same fingerprint, every element the clip changed had its final value
     // when the fingerprint read it, so also when the copy read it after.
-    bool printed = false;
+    const bool printed = has_fingerprint(g);
     if (g.is_cuda()) {
 #ifdef MEMSAVE_WITH_CUDA
       if (!side_stream) side_stream = detail::side_stream(g.device());
       detail::wait_for_current_stream(*side_stream, g.device());
-      printed = take_print(i, g, *side_stream);
+      if (printed) detail::fingerprint_on_stream(*side_stream, g, prints, static_cast<int64_t>(i));
       detail::copy_on_side_stream(*side_stream, s.host, g);
 #else
       // a LibTorch with CUDA but memsave without: the step copies
       return;
 #endif
     } else {
-      printed = take_print(i, g, std::nullopt);
+      if (printed) s.print = fingerprint_cpu(g);
       torch::NoGradGuard no_grad;
       s.host.copy_(g);
     }
@@ -234,24 +228,6 @@ struct OffloadOptimizer::BackwardCopies {
     since.failure = std::exchange(failure, nullptr);
     since.late_accumulation = std::exchange(late_accumulation, false);
     return since;
-  }
-
-  /// Takes the fingerprint of slot `i`'s gradient `g`, about to be copied (on CUDA on `stream`, or on the
-  /// current stream); false for a gradient without one, which the next step copies again.
-  bool take_print(size_t i, const torch::Tensor& g, const std::optional<c10::Stream>& stream) {
-    if (!has_fingerprint(g)) return false;
-    if (!g.is_cuda()) {
-      slots[i].print = fingerprint_cpu(g);
-      return true;
-    }
-#ifdef MEMSAVE_WITH_CUDA
-    detail::fingerprint_on_stream(stream ? *stream : detail::cuda_current_stream(g.device().index()), g,
-                                  prints, static_cast<int64_t>(i));
-    return true;
-#else
-    (void)stream;
-    return false;
-#endif
   }
 
   /// Notes that slot `i`'s host buffer now holds `g` as it is (`printed`: with its fingerprint taken).
@@ -530,9 +506,10 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
     const torch::Tensor& g = o.param.grad();
     if (!g.defined() || stepped[i]) continue;  // no gradient, or stepped already: the master is not stepped
     if (!unchanged[i]) {
-      const bool printed = copies_ && copies_->take_print(i, g, /*stream=*/std::nullopt);
       o.landing().copy_(g, /*non_blocking=*/g.is_cuda());
-      if (copies_) copies_->record(i, g, printed);
+      // (without a fingerprint: a gradient copied at the step is copied again at the next one; fingerprinting
+      // it here would add a pass to every step whose gradients were unscaled or accumulated since the copy)
+      if (copies_) copies_->record(i, g, /*printed=*/false);
       ++last_copies_.at_step;
     }
     to_step.push_back(i);

@@ -1,6 +1,7 @@
 // The offload's CUDA side: gradient copies to pinned host memory on a side stream, and gradient fingerprints.
 #include "offload_internal.h"
 
+#include "kernel_dtype.h"
 #include "memory_internal.h"
 
 #include "../kernels/fingerprint.h"
@@ -41,9 +42,7 @@ void fingerprint_on_stream(const c10::Stream& stream, const at::Tensor& source, 
   const c10::cuda::CUDAGuard device(source.device());
   kernels::CudaFingerprint f;
   f.data = source.data_ptr();
-  f.dtype = source.scalar_type() == at::kBFloat16 ? kernels::DType::kBFloat16
-            : source.scalar_type() == at::kHalf   ? kernels::DType::kFloat16
-                                                  : kernels::DType::kFloat32;
+  f.dtype = kernel_dtype(source.scalar_type()).value();
   f.numel = source.numel();
   f.out = reinterpret_cast<std::uint64_t*>(prints.data_ptr<int64_t>() + index);
   C10_CUDA_CHECK(static_cast<cudaError_t>(kernels::launch_fingerprint_cuda(f, on.stream())));

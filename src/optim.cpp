@@ -3,6 +3,7 @@
 #include "../kernels/optim_cpu.h"
 #include "../kernels/qmap.h"
 #include "archive.h"
+#include "kernel_dtype.h"
 #include "optim_internal.h"
 
 #include <ATen/Parallel.h>
@@ -32,17 +33,9 @@ const char* kind_name(int32_t kind, int64_t bits) {
 }
 
 k::DType storage_type(const torch::Tensor& t) {
-  switch (t.scalar_type()) {
-    case torch::kFloat:
-      return k::DType::kFloat32;
-    case torch::kBFloat16:
-      return k::DType::kBFloat16;
-    case torch::kHalf:
-      return k::DType::kFloat16;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "parameters must be float32, float16 or bfloat16, got ", t.scalar_type());
+  const std::optional<k::DType> dtype = kernel_dtype(t.scalar_type());
+  TORCH_CHECK(dtype, "parameters must be float32, float16 or bfloat16, got ", t.scalar_type());
+  return *dtype;
 }
 
 int64_t blocks_of(int64_t numel, int64_t block) { return (numel + block - 1) / block; }

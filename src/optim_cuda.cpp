@@ -1,5 +1,6 @@
 // The optimizers' CUDA backend: groups the tensors of a step by device, state kind, storage type and rule,
 // and launches the fused kernel once per group on the current stream.
+#include "kernel_dtype.h"
 #include "optim_internal.h"
 
 #include "../kernels/optim_cuda.h"
@@ -34,11 +35,8 @@ const k::CodeBook* device_book(bool is_signed, int bits, c10::DeviceIndex device
   return reinterpret_cast<const k::CodeBook*>(book.data_ptr());
 }
 
-k::DType storage_type(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kBFloat16
-             ? k::DType::kBFloat16
-             : (t.scalar_type() == torch::kHalf ? k::DType::kFloat16 : k::DType::kFloat32);
-}
+/// (the CPU side has checked the storage types before any launch)
+k::DType storage_type(const torch::Tensor& t) { return kernel_dtype(t.scalar_type()).value(); }
 
 }  // namespace
 

@@ -164,8 +164,7 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
     out << "note: the timed steps of one candidate varied by " << percent(plan.noise)
         << " (the median over the candidates), as much as the " << percent(*ahead)
         << " by which the fastest led the next candidate outside the tie: another run may recommend "
-           "otherwise "
-           "(rerun with more --steps, or when the machine is quiet)\n";
+           "otherwise (rerun with more --steps, or when the machine is quiet)\n";
   }
   if (!plan.recommended && plan.closest_miss) {
     const Candidate& c = plan.candidates[*plan.closest_miss];

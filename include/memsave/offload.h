@@ -58,14 +58,14 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
   /// the step: memsave's GradScaler refuses such an optimizer, and so do a GradientAccumulator (and a
   /// Trainer) that clips or scales; a gradient changed afterwards (in place, or through `.data()` as
   /// LibTorch's clip_grad_norm_ writes) is an error at `step()`, when its parameter has already been stepped;
-  /// gradients other than fp32, bf16 or fp16 are stepped at the step. memsave's GradientAccumulator (so the Trainer) defers the copies to
-  /// a window's last micro-batch itself; to accumulate by hand, `defer_gradient_copies(true)` for every
-  /// micro-batch but the window's last: a gradient accumulated after its parameter was stepped is an error at
-  /// `step()`. A parameter must not be read by the backward after its gradient is complete (a `.detach()`ed
-  /// use would be). NOTE: not all-or-nothing as the other ways are: a backward that fails halfway (an
-  /// out-of-memory) leaves the parameters it had stepped stepped, a step ahead of the rest (call
-  /// `discard_backward()` before the next backward). So it is opt-in, also for the Trainer (give it such an
-  /// optimizer).
+  /// gradients other than fp32, bf16 or fp16 are stepped at the step. memsave's GradientAccumulator (so the
+  /// Trainer) defers the copies to a window's last micro-batch itself; to accumulate by hand,
+  /// `defer_gradient_copies(true)` for every micro-batch but the window's last: a gradient accumulated after
+  /// its parameter was stepped is an error at `step()`. A parameter must not be read by the backward after
+  /// its gradient is complete (a `.detach()`ed use would be). NOTE: not all-or-nothing as the other ways are:
+  /// a backward that fails halfway (an out-of-memory) leaves the parameters it had stepped stepped, a step
+  /// ahead of the rest (call `discard_backward()` before the next backward). So it is opt-in, also for the
+  /// Trainer (give it such an optimizer).
   TORCH_ARG(bool, step_during_backward) = false;
 
  public:
@@ -118,7 +118,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   void discard_backward();
   /// The gradient copies to the host behind the last step: those the backward made since the step before
   /// (one per offloaded gradient per backward that was not deferred), and those the step made because a
-  /// gradient had no copy or had changed since its copy.
+  /// gradient had no copy made by a backward or had changed since its copy.
   struct CopyCounts {
     int64_t during_backward = 0;
     int64_t at_step = 0;
