@@ -16,6 +16,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace memsave::kernels {
@@ -35,6 +36,16 @@ struct EmulatedLaunch {
   }
 };
 
+const char* rule_name(Rule rule) {
+  static const char* const kRules[] = {"adam", "adamw", "lion", "sgd"};
+  return kRules[static_cast<int>(rule)];
+}
+
+const char* dtype_name(DType dtype) {
+  static const char* const kTypes[] = {"float32", "bfloat16", "float16"};
+  return kTypes[static_cast<int>(dtype)];
+}
+
 struct Case {
   Rule rule = Rule::kAdamW;
   DType dtype = DType::kFloat32;
@@ -43,9 +54,7 @@ struct Case {
   int bits = 8;
 
   std::string name() const {
-    static const char* const kRules[] = {"adam", "adamw", "lion", "sgd"};
-    static const char* const kTypes[] = {"float32", "bfloat16", "float16"};
-    return std::string(kRules[static_cast<int>(rule)]) + " " + kTypes[static_cast<int>(dtype)] + " " +
+    return std::string(rule_name(rule)) + " " + dtype_name(dtype) + " " +
            (quantized ? std::to_string(bits) + "-bit, block " + std::to_string(block)
                       : std::string("fp32 state"));
   }
@@ -222,37 +231,47 @@ std::vector<std::int64_t> sizes_for(const Case& s) {
   return {1, 37, units * unit + 17};
 }
 
-TEST(EmulatedCudaStep, IsBitIdenticalToTheCpuKernelsForEveryRuleTypeAndShape) {
+/// One test per rule and parameter type, so that ctest runs them side by side (tens of thousands of emulated
+/// threads in all: minutes under ThreadSanitizer as one test).
+class EmulatedCudaRule : public testing::TestWithParam<std::tuple<Rule, DType>> {};
+
+TEST_P(EmulatedCudaRule, IsBitIdenticalToTheCpuKernelsForEveryStateAndShape) {
+  const auto [rule, dtype] = GetParam();
   std::int64_t resident = 1;
-  for (const Rule rule : {Rule::kAdam, Rule::kAdamW, Rule::kLion, Rule::kSgd}) {
-    for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
-      for (const auto& [block, bits] : std::vector<std::pair<std::int64_t, int>>{
-               {0, 8}, {64, 8}, {256, 8}, {2048, 8}, {4096, 8}, {128, 4}, {256, 4}, {2048, 4}}) {
-        const Case s{rule, dtype, block != 0, block != 0 ? block : 256, bits};
-        SCOPED_TRACE(s.name());
-        std::mt19937 rng(static_cast<unsigned>(block) * 7 + static_cast<unsigned>(rule) * 3 +
-                         static_cast<unsigned>(dtype) + static_cast<unsigned>(bits));
-        std::vector<Tensor> cuda = make_tensors(s, sizes_for(s), rng);
-        std::vector<Tensor> cpu = cuda;
-        resident = 3 - resident;  // 2 and 1 thread blocks in turn
-        EmulatedLaunch launch{resident};
-        for (int t = 1; t <= 3; ++t) {
-          next_step(s, cuda, t, rng);
-          for (std::size_t k = 0; k < cuda.size(); ++k) {
-            cpu[k].grad = cuda[k].grad;
-            cpu[k].scalars = cuda[k].scalars;
-          }
-          ASSERT_EQ(step_emulated(s, cuda, launch), 0);
-          step_on_cpu(s, cpu, 1.0f);
-          for (std::size_t k = 0; k < cuda.size(); ++k)
-            ASSERT_TRUE(cuda[k] == cpu[k])
-                << "tensor " << k << " (" << cuda[k].numel << " elements) differs after step " << t;
-        }
-        EXPECT_EQ(launch.launches, 3) << "one launch per step for all tensors";
+  for (const auto& [block, bits] : std::vector<std::pair<std::int64_t, int>>{
+           {0, 8}, {64, 8}, {256, 8}, {2048, 8}, {4096, 8}, {128, 4}, {256, 4}, {2048, 4}}) {
+    const Case s{rule, dtype, block != 0, block != 0 ? block : 256, bits};
+    SCOPED_TRACE(s.name());
+    std::mt19937 rng(static_cast<unsigned>(block) * 7 + static_cast<unsigned>(rule) * 3 +
+                     static_cast<unsigned>(dtype) + static_cast<unsigned>(bits));
+    std::vector<Tensor> cuda = make_tensors(s, sizes_for(s), rng);
+    std::vector<Tensor> cpu = cuda;
+    resident = 3 - resident;  // 2 and 1 thread blocks in turn
+    EmulatedLaunch launch{resident};
+    for (int t = 1; t <= 3; ++t) {
+      next_step(s, cuda, t, rng);
+      for (std::size_t k = 0; k < cuda.size(); ++k) {
+        cpu[k].grad = cuda[k].grad;
+        cpu[k].scalars = cuda[k].scalars;
       }
+      ASSERT_EQ(step_emulated(s, cuda, launch), 0);
+      step_on_cpu(s, cpu, 1.0f);
+      for (std::size_t k = 0; k < cuda.size(); ++k)
+        ASSERT_TRUE(cuda[k] == cpu[k])
+            << "tensor " << k << " (" << cuda[k].numel << " elements) differs after step " << t;
     }
+    EXPECT_EQ(launch.launches, 3) << "one launch per step for all tensors";
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(EveryRuleAndType, EmulatedCudaRule,
+                         testing::Combine(testing::Values(Rule::kAdam, Rule::kAdamW, Rule::kLion, Rule::kSgd),
+                                          testing::Values(DType::kFloat32, DType::kBFloat16,
+                                                          DType::kFloat16)),
+                         [](const testing::TestParamInfo<EmulatedCudaRule::ParamType>& info) {
+                           return std::string(rule_name(std::get<0>(info.param))) + "_" +
+                                  dtype_name(std::get<1>(info.param));
+                         });
 
 TEST(EmulatedCudaStep, SplitsLongTensorListsIntoLaunchesOfAtMostTheArgumentLimit) {
   const Case s{Rule::kAdamW, DType::kBFloat16, true, 64};
