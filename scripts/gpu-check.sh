@@ -51,7 +51,7 @@ run_tests() {  # binary, filter
 run_tests tests/memsave_cuda_tests '*'
 run_tests tests/memsave_tests 'Cuda*:EightBit*:Fp32State*:Meter*:Checkpoint*:Offload*:GradScaler*'
 # (not the CUDA emulation: the tests above run the real thing, and CI runs the emulation)
-run_tests tests/kernels/memsave_kernel_tests '*-EmulatedCudaStep.*:Simt*'
+run_tests tests/kernels/memsave_kernel_tests '*-*EmulatedCuda*:Simt*'
 note "$(grep -m1 'CPU kernels ran with' "$out/memsave_kernel_tests.log")"
 
 timeout 120 "$build/bench/memsave_bench_optim_cuda" 1000000000 >"$out/bench_optim_cuda.txt" 2>&1 || status=1

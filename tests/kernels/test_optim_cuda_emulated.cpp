@@ -231,8 +231,7 @@ std::vector<std::int64_t> sizes_for(const Case& s) {
   return {1, 37, units * unit + 17};
 }
 
-/// One test per rule and parameter type, so that ctest runs them side by side (tens of thousands of emulated
-/// threads in all: minutes under ThreadSanitizer as one test).
+/// One test per rule and parameter type: a failure names its case, and ctest spreads the cases over the cores.
 class EmulatedCudaRule : public testing::TestWithParam<std::tuple<Rule, DType>> {};
 
 TEST_P(EmulatedCudaRule, IsBitIdenticalToTheCpuKernelsForEveryStateAndShape) {
