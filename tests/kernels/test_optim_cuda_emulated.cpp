@@ -231,7 +231,8 @@ std::vector<std::int64_t> sizes_for(const Case& s) {
   return {1, 37, units * unit + 17};
 }
 
-/// One test per rule and parameter type: a failure names its case, and ctest spreads the cases over the cores.
+/// One test per rule and parameter type: a failure names its case, and ctest spreads the cases over the
+/// cores.
 class EmulatedCudaRule : public testing::TestWithParam<std::tuple<Rule, DType>> {};
 
 TEST_P(EmulatedCudaRule, IsBitIdenticalToTheCpuKernelsForEveryStateAndShape) {
