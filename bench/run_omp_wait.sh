@@ -8,18 +8,21 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 reps="${1:-3}"
 images="${2:-10000}"
 train=("$root/build/examples/fashion_mnist" --epochs 1 --limit "$images" --state-bits 4)
-wall() { { /usr/bin/time -f %e "$@" 2>&1 >/dev/null || true; } | tail -1; }  # seconds (whatever the accuracy)
-echo "fashion_mnist --epochs 1 --limit $images --state-bits 4 (fp32 then 4-bit AdamW), $(nproc) cores, $(nproc) intra-op threads each"
-declare -A pair
-for rep in $(seq "$reps"); do
-  alone=$(wall "${train[@]}")
-  for policy in default passive; do
-    env=(); [[ $policy == passive ]] && env=(OMP_WAIT_POLICY=passive)
-    a=$(mktemp); b=$(mktemp)
-    env "${env[@]}" bash -c "$(declare -f wall); wall \"\$@\" >$a" _ "${train[@]}" &
-    env "${env[@]}" bash -c "$(declare -f wall); wall \"\$@\" >$b" _ "${train[@]}"
+wall() { { /usr/bin/time -f %e "${train[@]}" 2>&1 >/dev/null || true; } | tail -1; }  # seconds, any accuracy
+side_by_side() {  # POLICY (empty: the default): two trainings at once, their wall seconds
+  local a b; a=$(mktemp); b=$(mktemp)
+  (
+    unset OMP_WAIT_POLICY
+    if [[ -n "$1" ]]; then export OMP_WAIT_POLICY="$1"; fi
+    wall >"$a" &
+    wall >"$b"
     wait
-    pair[$policy]="$(cat "$a") s and $(cat "$b") s"; rm -f "$a" "$b"
-  done
-  echo "repetition $rep: alone $alone s; two side by side, default policy ${pair[default]}; passive ${pair[passive]}"
+  )
+  echo "$(cat "$a") s and $(cat "$b") s"
+  rm -f "$a" "$b"
+}
+echo "fashion_mnist --epochs 1 --limit $images --state-bits 4 (fp32 then 4-bit AdamW), $(nproc) cores, $(nproc) intra-op threads each"
+for rep in $(seq "$reps"); do
+  echo "repetition $rep: alone $(unset OMP_WAIT_POLICY; wall) s; two side by side, default policy $(side_by_side "");" \
+       "passive $(side_by_side passive)"
 done

@@ -2,8 +2,8 @@
 # Compiles every memsave translation unit (no linking) against the headers of another LibTorch 2.x release from
 # PyPI, by default the GPU machine's 2.11, so a version difference outside src/compat.h shows here first.
 # C++ goes through the front end only (-fsyntax-only, in a build type of its own): a version difference is one of
-# declarations, which it sees, template instantiations included, at 55-80% of a Release compile's time. (It
-# writes no object, so every run compiles every unit: 6 min on 2 cores.)
+# declarations, which it sees, template instantiations included, without the optimizer's time. It writes no
+# object, so every run compiles every unit again.
 #   scripts/check-torch-compat.sh [VERSION]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
