@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The torch-free kernels and their tests on 64-bit Arm (the host processor of Grace Hopper machines, where an
+# offloaded optimizer's state is stepped): cross-compiled with Debian's g++-aarch64-linux-gnu (build-aarch64/,
+# cmake/aarch64-linux-gnu.cmake) and run under qemu-user. Checks that the code builds without the x86
+# kernels and that the baseline kernels give the bits the tests expect there; says nothing of Arm's speed.
+# Left out: the emulated CUDA tests (they still compile; under qemu they take 15 s each, and what they check,
+# the CUDA kernels, CI checks on this machine's processor) and the emulator's death test (a death test
+# re-executes the binary, which the kernel cannot run without qemu registered with binfmt_misc).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+packages=(g++-aarch64-linux-gnu qemu-user googletest)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "check-aarch64 needs these Debian packages; run as root:" >&2
+    echo "  apt-get update && apt-get install -y ${missing[*]}" >&2
+    exit 1
+  fi
+  echo "check-aarch64: installing ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+build="$root/build-aarch64"
+cmake -S "$root" -B "$build" -G Ninja -DMEMSAVE_KERNELS_ONLY=ON -DCMAKE_BUILD_TYPE=Release \
+      -DCMAKE_TOOLCHAIN_FILE="$root/cmake/aarch64-linux-gnu.cmake" \
+      -DMEMSAVE_GTEST_SOURCE_DIR=/usr/src/googletest >/dev/null
+cmake --build "$build" --parallel "$(nproc)" >/dev/null
+ctest --test-dir "$build" --output-on-failure --parallel "$(nproc)" -E 'EmulatedCuda|SimtDeathTest' "$@"
