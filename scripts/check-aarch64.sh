@@ -9,21 +9,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
-packages=(g++-aarch64-linux-gnu qemu-user googletest)
-missing=()
-for p in "${packages[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
-done
-if ((${#missing[@]})); then
-  if [[ $(id -u) -ne 0 ]]; then
-    echo "check-aarch64 needs these Debian packages; run as root:" >&2
-    echo "  apt-get update && apt-get install -y ${missing[*]}" >&2
-    exit 1
-  fi
-  echo "check-aarch64: installing ${missing[*]}"
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-fi
+# shellcheck source=debian-packages.sh
+source "$root/scripts/debian-packages.sh"
+install_debian_packages check-aarch64 cmake ninja-build g++-aarch64-linux-gnu qemu-user googletest
 
 build="$root/build-aarch64"
 cmake -S "$root" -B "$build" -G Ninja -DMEMSAVE_KERNELS_ONLY=ON -DCMAKE_BUILD_TYPE=Release \
