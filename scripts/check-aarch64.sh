@@ -5,7 +5,8 @@
 # kernels and that the baseline kernels give the bits the tests expect there; says nothing of Arm's speed.
 # Left out: the emulated CUDA tests (they still compile; under qemu they take 15 s each, and what they check,
 # the CUDA kernels, CI checks on this machine's processor) and the emulator's death test (a death test
-# re-executes the binary, which the kernel cannot run without qemu registered with binfmt_misc).
+# re-executes the binary, which the kernel cannot run without qemu registered with binfmt_misc). Arguments
+# go to ctest (e.g. -R Quantize).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
