@@ -15,22 +15,30 @@
 
 namespace memsave::kernels::MEMSAVE_CPU_ISA {
 
-template <Rule R>
+/// The largest magnitudes of the moments an update wrote, as IEEE bits (see absmax_run).
+struct MomentMax {
+  std::uint32_t m = 0;
+  std::uint32_t v = 0;
+};
+
+template <Rule R, bool kMax>
 void update_half(Float16* param, const Float16* grad, float* m, float* v, std::int64_t n, StepScalars k,
-                 float scale);
+                 float scale, MomentMax& largest);
 
 /// The update of n elements: parameters and gradients of storage type T, moments in floats (v unused by rules
-/// without a second moment).
-template <typename T, Rule R>
+/// without a second moment). With kMax, also the largest magnitude of the new moments, in the same pass.
+template <typename T, Rule R, bool kMax = false>
 inline void update_run(T* __restrict param, const T* __restrict grad, float* __restrict m,
-                       float* __restrict v, std::int64_t n, const StepScalars k, float scale) {
+                       float* __restrict v, std::int64_t n, const StepScalars k, float scale,
+                       MomentMax& largest) {
 #if defined(__AVX2__) || defined(__AVX512F__)
   if constexpr (std::is_same_v<T, Float16>) {
-    update_half<R>(param, grad, m, v, n, k, scale);
+    update_half<R, kMax>(param, grad, m, v, n, k, scale, largest);
     return;
   }
 #endif
   float unused_v = 0;
+  std::uint32_t max_m = largest.m, max_v = largest.v;
   for (std::int64_t i = 0; i < n; ++i) {
     float p = to_float(param[i]);
     float mi = m[i];
@@ -38,7 +46,12 @@ inline void update_run(T* __restrict param, const T* __restrict grad, float* __r
     update<R>(p, to_float(grad[i]) * scale, mi, vi, k);
     param[i] = from_float<T>(p);
     m[i] = mi;
+    if constexpr (kMax) {
+      max_m = std::max(max_m, to_bits(mi) & 0x7fffffffu);
+      if constexpr (has_second_moment(R)) max_v = std::max(max_v, to_bits(vi) & 0x7fffffffu);
+    }
   }
+  if constexpr (kMax) largest = {max_m, max_v};
 }
 
 /// n half-precision values -> floats: dtypes.h's to_float, but for a signaling NaN, which F16C makes quiet.
@@ -92,9 +105,9 @@ inline void narrow(const float* __restrict in, Float16* __restrict out, std::int
 
 /// Half-precision storage where the instruction set converts it (F16C): the compiler vectorizes dtypes.h's
 /// conversions of bf16 but not those of fp16, so the values go through float buffers converted as above.
-template <Rule R>
+template <Rule R, bool kMax>
 void update_half(Float16* param, const Float16* grad, float* m, float* v, std::int64_t n, StepScalars k,
-                 float scale) {
+                 float scale, MomentMax& largest) {
   constexpr std::int64_t kChunk = 256;
   alignas(64) float p[kChunk];
   alignas(64) float g[kChunk];
@@ -102,15 +115,18 @@ void update_half(Float16* param, const Float16* grad, float* m, float* v, std::i
     const std::int64_t count = std::min(kChunk, n - begin);
     widen(param + begin, p, count);
     widen(grad + begin, g, count);
-    update_run<float, R>(p, g, m + begin, has_second_moment(R) ? v + begin : nullptr, count, k, scale);
+    update_run<float, R, kMax>(p, g, m + begin, has_second_moment(R) ? v + begin : nullptr, count, k, scale,
+                               largest);
     narrow(p, param + begin, count);
   }
 }
 
 template <typename T, Rule R>
 void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
+  MomentMax unused;
   update_run<T, R>(static_cast<T*>(s.param) + begin, static_cast<const T*>(s.grad) + begin, s.m + begin,
-                   has_second_moment(R) ? s.v + begin : nullptr, end - begin, s.scalars, s.grad_scale);
+                   has_second_moment(R) ? s.v + begin : nullptr, end - begin, s.scalars, s.grad_scale,
+                   unused);
 }
 
 #if defined(__AVX512VBMI__)
@@ -378,12 +394,13 @@ inline void step_quantized_block(const StepQuantized& s, std::int64_t block, con
 
   dequantize_block<Bits>(sb, s.m, offset, s.absmax_m[block], m, n, w.codes);
   if constexpr (kSecond) dequantize_block<Bits>(ub, s.v, offset, s.absmax_v[block], v, n, w.codes);
-  update_run<T, R>(param, grad, m, kSecond ? v : nullptr, n, k, scale);
-  const float max_m = absmax_run(m, n);
+  MomentMax largest;
+  update_run<T, R, true>(param, grad, m, kSecond ? v : nullptr, n, k, scale, largest);
+  const float max_m = bits_to_float(largest.m);
   s.absmax_m[block] = max_m;
   quantize_block<Bits>(sb, m, block_scale(max_m), s.m, offset, n, w.codes);
   if constexpr (kSecond) {
-    const float max_v = absmax_run(v, n);
+    const float max_v = bits_to_float(largest.v);
     s.absmax_v[block] = max_v;
     quantize_block<Bits>(ub, v, block_scale(max_v), s.v, offset, n, w.codes);
   }
