@@ -506,16 +506,16 @@ std::vector<T> storage_values(std::int64_t n, float scale, unsigned seed) {
   return out;
 }
 
-/// A half-precision step (state of `bits`, 32 for fp32 state) against the fp32-storage step on the same
-/// values, which the other tests hold to the specification: the parameters must be those values rounded, the
-/// state the same bits.
+/// A half-precision step (state of `bits`, 32 for fp32 state; blocks of `block`) against the fp32-storage
+/// step on the same values, which the other tests hold to the specification: the parameters must be those
+/// values rounded, the state the same bits.
 template <typename T, Rule R>
-void expect_storage_steps_as_floats(int bits) {
+void expect_storage_steps_as_floats(int bits, std::int64_t block) {
   SCOPED_TRACE(std::string(std::is_same_v<T, Float16> ? "fp16" : "bf16") + ", rule " +
-               std::to_string(static_cast<int>(R)) + ", state bits " + std::to_string(bits));
+               std::to_string(static_cast<int>(R)) + ", state bits " + std::to_string(bits) + ", blocks of " +
+               std::to_string(block));
   const DType dtype = std::is_same_v<T, Float16> ? DType::kFloat16 : DType::kBFloat16;
   constexpr std::int64_t n = 3 * 256 + 37;  // past a 256-element staging chunk, with tails
-  constexpr std::int64_t block = 128;
   std::vector<T> p16 = storage_values<T>(n, 1.0f, 5);
   std::vector<float> p32(n);
   for (std::int64_t i = 0; i < n; ++i) p32[i] = to_float(p16[i]);
@@ -556,17 +556,22 @@ void expect_storage_steps_as_floats(int bits) {
 }
 
 template <typename T>
-void expect_storage_steps_as_floats_for_every_rule(int bits) {
-  expect_storage_steps_as_floats<T, Rule::kAdamW>(bits);
-  expect_storage_steps_as_floats<T, Rule::kAdam>(bits);
-  expect_storage_steps_as_floats<T, Rule::kLion>(bits);
-  expect_storage_steps_as_floats<T, Rule::kSgd>(bits);
+void expect_storage_steps_as_floats_for_every_rule(int bits, std::int64_t block) {
+  expect_storage_steps_as_floats<T, Rule::kAdamW>(bits, block);
+  expect_storage_steps_as_floats<T, Rule::kAdam>(bits, block);
+  expect_storage_steps_as_floats<T, Rule::kLion>(bits, block);
+  expect_storage_steps_as_floats<T, Rule::kSgd>(bits, block);
 }
 
 TEST(StepKernels, HalfAndBFloat16StorageStepsAsItsFloatValues) {
   for (const int bits : {32, 8, 4}) {
-    expect_storage_steps_as_floats_for_every_rule<Float16>(bits);
-    expect_storage_steps_as_floats_for_every_rule<BFloat16>(bits);
+    expect_storage_steps_as_floats_for_every_rule<Float16>(bits, 128);
+    expect_storage_steps_as_floats_for_every_rule<BFloat16>(bits, 128);
+  }
+  // A block over four of the fp16 path's 256-element staging chunks: its absmax is kept across them.
+  for (const int bits : {8, 4}) {
+    expect_storage_steps_as_floats_for_every_rule<Float16>(bits, 1024);
+    expect_storage_steps_as_floats_for_every_rule<BFloat16>(bits, 1024);
   }
 }
 
