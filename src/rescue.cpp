@@ -1,6 +1,7 @@
 #include "memsave/rescue.h"
 
 #include "memsave/amp.h"
+#include "memsave/checkpoint.h"
 #include "memsave/memory.h"
 #include "memsave/optim.h"
 
@@ -113,11 +114,6 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     model.param_numel_.push_back(p.numel());
     model.param_bytes_ += bytes_of(p);
   }
-  for (size_t i = 0; i < net->size(); ++i) {
-    int64_t bytes = 0;
-    for (const auto& p : net->ptr(i)->parameters()) bytes += bytes_of(p);
-    model.element_params_.push_back(bytes);
-  }
   const size_t n = net->size();
   const auto [input, target] = setup.make_batch(model.rows_, device);
   model.batch_bytes_per_row_ = (bytes_of(input) + bytes_of(target)) / model.rows_;
@@ -131,7 +127,8 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   // element's backward begins, so each element's backward gets its own peak window. Gradients of the
   // parameters are taken out of the windows (the model counts them whole).
   struct Pass {
-    std::vector<double> stored, output, forward, backward;  // per element, bytes
+    std::vector<double> stored, freed, output, forward, backward, carried, grads;  // per element, bytes
+    std::vector<bool> output_kept;
     double loss = 0;  // the loss's backward window: its own graph, the logits' gradient
   };
   auto grad_bytes = [&] {
@@ -139,26 +136,44 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     for (const auto& p : params) bytes += bytes_of(p.grad());
     return bytes;
   };
-  auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false) {
+  // `hold`: each element's output and the gradient of its output are held through the element's backward,
+  // as a recomputation holds those of its piece's last element.
+  auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false,
+                      bool hold = false) {
     if (!accumulate) optimizer->zero_grad();
     Pass pass;
-    pass.stored.resize(n);
-    pass.output.resize(n);
-    pass.forward.resize(n);
-    pass.backward.resize(n);
+    for (auto* v : {&pass.stored, &pass.freed, &pass.output, &pass.forward, &pass.backward, &pass.carried})
+      v->resize(n);
+    pass.grads.assign(n + 1, 0);
+    pass.output_kept.assign(n, false);
+    std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> outputs;
     const int64_t start = memory_stats(device).current, start_grads = grad_bytes();
     std::vector<double> held(n + 1, 0);  // held[k]: what elements before k keep
     torch::Tensor loss;
     // The window of element k's backward (k == n: the loss's).
     std::optional<PeakScope> window;
     size_t open = n;
+    torch::Tensor held_grad;
+    c10::intrusive_ptr<c10::StorageImpl> held_output;
     auto close = [&](size_t next) {
-      const double peak =
-          static_cast<double>(window->peak() - start - (grad_bytes() - start_grads)) - held[open];
+      const int64_t grads = grad_bytes() - start_grads;
+      const double peak = static_cast<double>(window->peak() - start - grads) - held[open];
       (open == n ? pass.loss : pass.backward[open]) = peak;
+      pass.grads[open] = static_cast<double>(grads);
       window.reset();
+      held_grad.reset();
+      held_output.reset();
       open = next;
-      if (next != SIZE_MAX) window.emplace(device);
+      if (next != SIZE_MAX) {
+        // Whether the element's output outlived the backward of the elements after it (its own graph keeps
+        // it), or a recomputation that holds it adds it to the element's window.
+        pass.output_kept[next] = !outputs[next].expired();
+        // What the backward so far leaves beside the elements' graphs and the gradients: the gradient of
+        // this element's output, and a shared weight's gradient waiting for its other uses.
+        pass.carried[next] =
+            static_cast<double>(memory_stats(device).current - start - grads) - held[next + 1];
+        window.emplace(device);
+      }
     };
     {
       std::optional<amp::Autocast> autocast;
@@ -167,18 +182,34 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
       int64_t in_use = start;
       for (size_t i = 0; i < n; ++i) {
         int64_t forward_peak = 0;
+        torch::Tensor input = std::move(x);
         {
           PeakScope scope(device);
-          x = net->begin()[i].forward(x);
+          x = net->begin()[i].forward(input);
           forward_peak = scope.peak();
         }
+        // What the element lets go of its input once the caller does (what its graph does not keep).
+        const int64_t with_input = memory_stats(device).current;
+        input.reset();
         const int64_t now = memory_stats(device).current;
+        pass.freed[i] = static_cast<double>(with_input - now);
         pass.forward[i] = static_cast<double>(forward_peak - now);
         pass.stored[i] = static_cast<double>(now - in_use);
         pass.output[i] = static_cast<double>(bytes_of(x));
+        outputs.push_back(x.has_storage() ? x.storage().getWeakStorageImpl()
+                                          : c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                                c10::intrusive_ptr<c10::StorageImpl>()));
         held[i + 1] = held[i] + pass.stored[i];
         in_use = now;
-        if (x.requires_grad()) x.register_hook([&, i](const torch::Tensor&) { close(i); });
+        if (x.requires_grad()) {
+          x.register_hook([&, i](const torch::Tensor& grad) {
+            close(i);
+            if (hold) {
+              held_grad = grad;
+              held_output = outputs[i].lock();
+            }
+          });
+        }
       }
       loss = setup.loss(x, tgt);
     }
@@ -196,21 +227,58 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
 
   run_pass(false, input, target);
   optimizer->step();  // creates the state
+  {  // what a checkpointed piece keeps beside its input and output (the generators' state, where the device
+     // pool holds it: on the CPU)
+    const torch::Tensor probe = torch::zeros({1}, torch::TensorOptions().device(device).requires_grad(true));
+    const int64_t before = memory_stats(device).current;
+    const torch::Tensor out =
+        checkpoint([](at::TensorList x) { return std::vector<torch::Tensor>{x[0] * 2}; }, {probe})[0];
+    model.piece_state_ = memory_stats(device).current - before - bytes_of(out);
+  }
+  // What each element leaves in autocast's cache of cast weights when it is checkpointed: its graph, which
+  // holds the casts otherwise, goes after the forward; the cache keeps them until the forward's autocast
+  // ends. A forward only, every element checkpointed, each keeping its input (as the checkpoint does).
+  auto cached_casts = [&](bool amp, const torch::Tensor& in) {
+    std::vector<double> cached(n, 0);
+    std::optional<amp::Autocast> autocast;
+    if (amp) autocast.emplace(device.type(), c10::kBFloat16);
+    torch::Tensor x = in;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t before = memory_stats(device).current;
+      torch::nn::AnyModule& element = net->begin()[i];
+      x = checkpoint(*element.ptr(),
+                     [&](at::TensorList t) { return std::vector<torch::Tensor>{element.forward(t[0])}; },
+                     {x})[0];
+      cached[i] =
+          static_cast<double>(memory_stats(device).current - before - bytes_of(x) - model.piece_state_);
+    }
+    return cached;
+  };
   for (bool amp : {false, true}) {
     Activations& a = amp ? model.amp_ : model.fp32_;
     const Pass large = run_pass(amp, input, target);
     const Pass small = run_pass(amp, small_input, small_target);
     // Once more onto the gradients it left: what a later micro-batch's gradients add while they arrive.
     const Pass accumulated = run_pass(amp, small_input, small_target, /*accumulate=*/true);
-    for (auto* v : {&a.stored, &a.stored_fixed, &a.output, &a.forward, &a.forward_fixed, &a.backward,
-                    &a.backward_fixed, &a.incoming})
+    // Once more holding each element's output and its gradient through its backward, as a recomputation
+    // holds its piece's last element's.
+    const Pass holding = run_pass(amp, small_input, small_target, /*accumulate=*/false, /*hold=*/true);
+    a.cached = cached_casts(amp, small_input);
+    for (auto* v :
+         {&a.stored, &a.stored_fixed, &a.freed, &a.freed_fixed, &a.carried, &a.carried_fixed, &a.output,
+          &a.forward, &a.forward_fixed, &a.backward, &a.backward_fixed, &a.incoming, &a.holding})
       v->resize(n);
+    a.grads = large.grads;
+    a.output_kept = large.output_kept;
     for (size_t i = 0; i < n; ++i) {
       fit(large.stored[i], small.stored[i], a.stored[i], a.stored_fixed[i]);
+      fit(large.freed[i], small.freed[i], a.freed[i], a.freed_fixed[i]);
+      fit(large.carried[i], small.carried[i], a.carried[i], a.carried_fixed[i]);
       fit(large.forward[i], small.forward[i], a.forward[i], a.forward_fixed[i]);
       fit(large.backward[i], small.backward[i], a.backward[i], a.backward_fixed[i]);
       a.output[i] = large.output[i] / rows;
       a.incoming[i] = std::max(0.0, accumulated.backward[i] - small.backward[i]);
+      a.holding[i] = std::max(0.0, holding.backward[i] - small.backward[i]) / static_cast<double>(small_rows);
     }
     fit(large.loss, small.loss, a.loss, a.loss_fixed);
   }
@@ -259,39 +327,91 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
       recipe.checkpoint().kind == Checkpointing::Kind::kPolicy ? Checkpointing::none() : recipe.checkpoint(),
       a.stored.size());
   auto stored = [&](size_t i) { return a.stored_fixed[i] + a.stored[i] * rows; };
-  auto backward = [&](size_t i) { return a.backward_fixed[i] + a.backward[i] * rows; };
-  // Parameter gradients present while element i's backward runs. The first micro-batch of a window: those
-  // of the elements from i on. Later ones: all of them, and beside them the gradients arriving to be added:
-  // what the profile measured for the element, or a recomputed piece's gradients, which it hands back
-  // together.
-  const size_t n = a.stored.size();
-  std::vector<double> grads(n + 1, 0);
-  for (size_t i = n; i-- > 0;) grads[i] = grads[i + 1] + static_cast<double>(element_params_[i]);
-  auto grads_in = [&](size_t i, const nn::CheckpointSequentialImpl::Segment& piece) {
-    if (!accumulating) return grads[i];
-    double incoming = a.incoming[i];
-    if (piece.recompute) incoming = std::max(incoming, grads[piece.begin] - grads[piece.end]);
-    return static_cast<double>(param_bytes_) + incoming;
-  };
-  // The backward walks the pieces from the last to the first; while it is in element i of a piece, the
-  // pieces before keep what the forward left (a recomputed piece only its input), the piece keeps the
-  // graph of its elements before i (recomputed or kept), and element i's backward adds its window.
+  auto freed = [&](size_t i) { return a.freed_fixed[i] + a.freed[i] * rows; };
   auto forward = [&](size_t i) { return a.forward_fixed[i] + a.forward[i] * rows; };
-  double kept_before = 0, peak = 0;
-  for (const auto& piece : plan) {
-    // A recomputed piece runs its forward again in the backward, while the gradient of its output (the
-    // seed) is held; the seed and the recomputed output stay until the piece's backward ends.
-    const double seed = piece.recompute ? a.output[piece.end - 1] * rows : 0.0;
-    double inside = 0;
+  auto backward = [&](size_t i) { return a.backward_fixed[i] + a.backward[i] * rows; };
+  auto output = [&](size_t i) { return a.output[i] * rows; };
+  auto carried = [&](size_t i) { return a.carried_fixed[i] + a.carried[i] * rows; };
+  // Parameter gradients present while element i's backward runs (a.grads, measured: the elements' from i
+  // on, and those of weights they share with earlier ones). The first micro-batch of a window: those. Later
+  // ones: all of them, and beside them the gradients arriving to be added: what the profile measured for
+  // the element, or in a recomputed piece those of its elements from i on, which it holds until it hands
+  // them back together at its end.
+  const double all_grads = static_cast<double>(param_bytes_);
+  auto grads_in = [&](size_t i, const nn::CheckpointSequentialImpl::Segment& piece) {
+    if (!accumulating) return a.grads[i];
+    if (piece.recompute) return all_grads + a.grads[i] - a.grads[piece.end];
+    return all_grads + a.incoming[i];
+  };
+  // A piece's input is the output of the piece before it. The profile counted an element's output in that
+  // element's graph; the output of a recomputed piece, which keeps no graph, is counted with the next piece.
+  // Every recomputed piece also keeps a state (the generators') until the pass's graph goes.
+  const double piece_state = static_cast<double>(piece_state_);
+  auto input = [&](size_t p) { return p > 0 && plan[p - 1].recompute ? output(plan[p].begin - 1) : 0.0; };
+  double peak = 0;
+
+  // The first forward (it matters beside the gradients of earlier micro-batches): the pieces before keep
+  // what the backward will find of them, and a recomputed piece also the casts it left in autocast's cache
+  // until the forward ends; the piece keeps its input and its graph so far.
+  double kept_before = 0;
+  for (size_t p = 0; p < plan.size(); ++p) {
+    const auto& piece = plan[p];
+    if (piece.recompute) kept_before += piece_state;
+    double graph = input(p);
     for (size_t i = piece.begin; i < piece.end; ++i) {
-      peak = std::max(peak, kept_before + seed + inside + stored(i) + forward(i));
-      const double held_output = i + 1 < piece.end ? 2 * seed : seed;
-      peak = std::max(peak, kept_before + held_output + inside + backward(i) + grads_in(i, piece));
+      peak = std::max(peak, kept_before + graph + stored(i) + forward(i) + (accumulating ? all_grads : 0.0));
+      graph += stored(i);
+    }
+    double casts = 0;
+    for (size_t i = piece.begin; i < piece.end; ++i) casts += a.cached[i];
+    kept_before += piece.recompute ? input(p) + casts : graph;
+  }
+
+  // The backward walks the pieces from the last to the first; while it is in element i of a piece, the
+  // pieces before keep what the forward left (a recomputed piece its input and state only), the piece keeps
+  // its input and the graph of its elements before i (recomputed or kept), and element i's backward adds
+  // its window.
+  kept_before = 0;
+  for (const auto& piece : plan) kept_before += piece.recompute ? piece_state : 0.0;
+  for (size_t p = 0; p < plan.size(); ++p) {
+    const auto& piece = plan[p];
+    const size_t b = piece.begin, e = piece.end;
+    double inside = input(p);
+    if (piece.recompute) {
+      // The recomputation runs the piece's forward again beside what the backward after it left (the
+      // gradient of its output, the seed, and a shared weight's pending gradient: what the profile measured
+      // when that element's backward began, less the output it had let go of by then), the gradients of the
+      // elements after it, and another state.
+      const double seed = output(e - 1);
+      const double arrived = carried(e - 1) + (a.output_kept[e - 1] ? 0.0 : seed) + piece_state;
+      const double grads = accumulating ? all_grads : a.grads[e];
+      // The recomputation holds its input, which the profile's first element may have let go of.
+      const double unfreed = b > 0 ? freed(b) : 0.0;
+      double graph = inside;
+      for (size_t i = b; i < e; ++i) {
+        peak = std::max(peak, kept_before + arrived + graph + stored(i) + forward(i) + grads);
+        graph += stored(i) + (i == b ? unfreed : 0.0);
+      }
+      inside += unfreed;
+    }
+    for (size_t i = b; i < e; ++i) {
+      // A recomputed piece holds the seed and its recomputed output until its backward ends, where the
+      // profile's window of element i lacks them.
+      double held = 0;
+      if (piece.recompute && i + 1 < e) held = 2 * output(e - 1);
+      if (piece.recompute && i + 1 == e) held = (a.output_kept[i] ? 0.0 : output(i)) + a.holding[i] * rows;
+      peak = std::max(peak, kept_before + held + inside + backward(i) + grads_in(i, piece));
       inside += stored(i);
     }
-    kept_before += piece.recompute ? (piece.begin == 0 ? 0 : a.output[piece.begin - 1] * rows) : inside;
+    if (piece.recompute) {
+      // The piece's backward returns its gradients together, beside the seed and its input's gradient;
+      // onto existing gradients they are then added one by one.
+      const double handed = accumulating ? all_grads + a.grads[b] - a.grads[e] : a.grads[b];
+      peak = std::max(peak, kept_before + input(p) + output(e - 1) + (b > 0 ? output(b - 1) : 0.0) + handed);
+    }
+    kept_before += piece.recompute ? input(p) : inside;
   }
-  const double loss_grads = accumulating ? static_cast<double>(param_bytes_) : 0.0;
+  const double loss_grads = accumulating ? all_grads : 0.0;
   return std::max(peak, kept_before + a.loss_fixed + a.loss * rows + loss_grads);
 }
 

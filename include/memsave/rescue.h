@@ -56,8 +56,9 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
 /// state (by optimizer and bits) and batch, and from training passes run element by element (fp32 and under
 /// autocast, at two sizes of the batch — of half of it, and so on, when the device cannot hold that) each
 /// element's stored activations, forward peak, backward peak and, onto existing gradients, what its arriving
-/// gradients add; and the optimizer step's temporaries. A recipe's pass is simulated by walking the backward
-/// through its checkpoint plan, bytes scaled to the micro-batch's rows.
+/// gradients add, and, holding its output and that output's gradient through its backward, what a
+/// recomputation adds; and the optimizer step's temporaries. A recipe's pass is simulated by walking the
+/// backward through its checkpoint plan, bytes scaled to the micro-batch's rows.
 class MemoryModel {
  public:
   static MemoryModel profile(const TrainingSetup& setup, int64_t batch, c10::Device device);
@@ -73,7 +74,12 @@ class MemoryModel {
  private:
   /// Bytes as fixed + per_row * rows, fitted per element through the profile's two sizes.
   struct Activations {
-    std::vector<double> stored, stored_fixed;    ///< what an element's forward leaves behind
+    std::vector<double> stored, stored_fixed;  ///< what an element's forward leaves behind
+    /// what of its input an element's forward lets go of (what its graph does not keep)
+    std::vector<double> freed, freed_fixed;
+    /// what the backward of the elements after it leaves when an element's backward begins, beyond their
+    /// graphs and the parameter gradients (the gradient of its output, a shared weight's pending gradient)
+    std::vector<double> carried, carried_fixed;
     std::vector<double> output;                  ///< its output, per row
     std::vector<double> forward, forward_fixed;  ///< its forward's peak beyond what it leaves behind
     /// the peak of an element's backward beyond what the elements before it keep (its own graph, the
@@ -81,6 +87,16 @@ class MemoryModel {
     std::vector<double> backward, backward_fixed;
     /// with the gradients already there (a later micro-batch): what an element's backward adds beside them
     std::vector<double> incoming;
+    /// what holding an element's output and the gradient of its output through its backward (as a
+    /// recomputed piece does for its last element's) adds to the backward's peak, per row
+    std::vector<double> holding;
+    /// what a checkpointed element's forward leaves in autocast's cache of cast weights until the forward
+    /// ends
+    std::vector<double> cached;
+    /// bytes of parameter gradients present once element i's backward has run (i = elements: none)
+    std::vector<double> grads;
+    /// whether an element's output is still there when its backward begins (its own graph keeps it)
+    std::vector<bool> output_kept;
     double loss = 0, loss_fixed = 0;  ///< the same for the loss's backward, beyond every element's graph
   };
   static MemoryModel profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows,
@@ -93,12 +109,12 @@ class MemoryModel {
   int64_t batch_ = 0;
   int64_t rows_ = 0;  ///< rows of the profile
   std::vector<int64_t> param_numel_;
-  std::vector<int64_t> element_params_;  ///< bytes of the parameters registered in each element
   int64_t param_bytes_ = 0;
   int64_t batch_bytes_per_row_ = 0;
   Activations fp32_, amp_;
-  int64_t step_extra_ = 0;  ///< the optimizer step's temporaries beyond its state
-  int64_t moments_ = 2;     ///< fp32 state tensors per parameter of the setup's optimizer
+  int64_t step_extra_ = 0;   ///< the optimizer step's temporaries beyond its state
+  int64_t piece_state_ = 0;  ///< what a checkpointed piece keeps beside its input and output
+  int64_t moments_ = 2;      ///< fp32 state tensors per parameter of the setup's optimizer
 };
 
 struct RescueOptions {
