@@ -38,6 +38,10 @@ MEMSAVE_HD std::uint32_t to_bits(float x) {
 #endif
 }
 
+/// |x| as IEEE bits: they order non-negative floats as numbers and put NaN above infinity, so the largest of
+/// them is an exact, order-free absmax (NaN when any value is NaN).
+MEMSAVE_HD std::uint32_t magnitude_bits(float x) { return to_bits(x) & 0x7fffffffu; }
+
 MEMSAVE_HD float to_float(float x) { return x; }
 MEMSAVE_HD float to_float(BFloat16 x) { return bits_to_float(static_cast<std::uint32_t>(x.bits) << 16); }
 

@@ -15,7 +15,7 @@
 
 namespace memsave::kernels::MEMSAVE_CPU_ISA {
 
-/// The largest magnitudes of the moments an update wrote, as IEEE bits (see absmax_run).
+/// The largest magnitudes of the moments an update wrote, as magnitude_bits.
 struct MomentMax {
   std::uint32_t m = 0;
   std::uint32_t v = 0;
@@ -47,8 +47,8 @@ inline void update_run(T* __restrict param, const T* __restrict grad, float* __r
     param[i] = from_float<T>(p);
     m[i] = mi;
     if constexpr (kMax) {
-      max_m = std::max(max_m, to_bits(mi) & 0x7fffffffu);
-      if constexpr (has_second_moment(R)) max_v = std::max(max_v, to_bits(vi) & 0x7fffffffu);
+      max_m = std::max(max_m, magnitude_bits(mi));
+      if constexpr (has_second_moment(R)) max_v = std::max(max_v, magnitude_bits(vi));
     }
   }
   if constexpr (kMax) largest = {max_m, max_v};
@@ -318,11 +318,10 @@ inline void quantize_run(const VectorBook& vb, const float* __restrict values, f
   for (; i < n; ++i) codes[i] = quantize(book, values[i] * scale);
 }
 
-/// The largest magnitude of n values; NaN when any is NaN. Exact and order-free: it compares IEEE bit
-/// patterns, which order non-negative floats as numbers and put NaN above infinity.
+/// The largest magnitude of n values; NaN when any is NaN (magnitude_bits).
 inline float absmax_run(const float* __restrict values, std::int64_t n) {
   std::uint32_t largest = 0;
-  for (std::int64_t i = 0; i < n; ++i) largest = std::max(largest, to_bits(values[i]) & 0x7fffffffu);
+  for (std::int64_t i = 0; i < n; ++i) largest = std::max(largest, magnitude_bits(values[i]));
   return bits_to_float(largest);
 }
 

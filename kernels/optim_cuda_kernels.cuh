@@ -141,8 +141,8 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized
           if (kSecond) v[e] = ub.code[(vc[k] >> shift) & ((1 << Bits) - 1)] * absmax_v;
           update<R>(x, to_float(g[e]) * scale, m[e], v[e], s.scalars);
           param[first + h] = from_float<T>(x);
-          max_m = max(max_m, to_bits(m[e]) & 0x7fffffffu);
-          max_v = max(max_v, to_bits(v[e]) & 0x7fffffffu);
+          max_m = max(max_m, magnitude_bits(m[e]));
+          max_v = max(max_v, magnitude_bits(v[e]));
         }
       }
     }
