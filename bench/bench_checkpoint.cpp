@@ -1,8 +1,10 @@
 // Activation checkpointing on the CPU: peak activation memory (the meter) and time of a training step
 // (forward, loss, backward) for no checkpointing, every element, √n segments and a per-layer keep policy,
-// same model, batch and seed, one invocation. Prints one JSON object per line (bench/run_checkpoint_bench.sh
-// turns them, and the Python peers', into the table in bench/RESULTS-checkpoint.md).
+// and under bf16 autocast for no checkpointing and every element; same model, batch and seed, one
+// invocation. Prints one JSON object per line (bench/run_checkpoint_bench.sh turns them, and the Python
+// peers', into the table in bench/RESULTS-checkpoint.md).
 //   build/bench/memsave_bench_checkpoint [--steps N]
+#include <memsave/amp.h>
 #include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 
@@ -50,7 +52,9 @@ Result run(const std::string& model, int64_t batch, const std::string& setting, 
     return net->forward(x);
   };
   memsave::nn::CheckpointSequential wrapped{nullptr};
-  if (setting == "every layer") wrapped = memsave::nn::checkpoint_sequential(net, n);
+  const bool bf16 = setting.rfind("bf16", 0) == 0;
+  if (setting == "every layer" || setting == "bf16, every layer")
+    wrapped = memsave::nn::checkpoint_sequential(net, n);
   if (setting == "sqrt(n) segments")
     wrapped = memsave::nn::checkpoint_sequential(net, std::lround(std::sqrt(static_cast<double>(n))));
   if (setting == "per-layer policy") {
@@ -66,7 +70,11 @@ Result run(const std::string& model, int64_t batch, const std::string& setting, 
     for (auto& p : net->parameters()) p.mutable_grad().zero_();
     memsave::PeakScope scope(torch::kCPU);
     const auto start = std::chrono::steady_clock::now();
-    auto loss = w.loss(forward(data.input), data.target);
+    torch::Tensor loss;
+    {
+      memsave::amp::Autocast autocast(torch::kCPU, torch::kBFloat16, /*enabled=*/bf16);
+      loss = w.loss(forward(data.input), data.target);
+    }
     const auto forward_end = std::chrono::steady_clock::now();
     loss.backward();
     const auto end = std::chrono::steady_clock::now();
@@ -90,7 +98,8 @@ int main(int argc, char** argv) {
   args.finish();
   const std::pair<const char*, int64_t> cases[] = {{"gpt-12l", 8}, {"resnet50", 8}};
   for (const auto& [model, batch] : cases) {
-    for (const char* setting : {"none", "every layer", "sqrt(n) segments", "per-layer policy"}) {
+    for (const char* setting :
+         {"none", "every layer", "sqrt(n) segments", "per-layer policy", "bf16", "bf16, every layer"}) {
       const Result r = run(model, batch, setting, steps);
       std::printf(
           "{\"impl\": \"memsave\", \"model\": \"%s\", \"batch\": %lld, \"setting\": \"%s\", \"activations\": "

@@ -24,7 +24,8 @@ print("| model | batch | implementation | setting | activation peak | vs none | 
       "extra time / forward time | time vs torch |")
 print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
 for (model, batch, impl, setting), runs in rows.items():
-    base = rows[(model, batch, impl, "none")]
+    # Each checkpointed setting against the same precision without checkpointing; "bf16" against fp32.
+    base = rows[(model, batch, impl, "bf16" if setting.startswith("bf16,") else "none")]
     peer = rows.get((model, batch, "torch.utils.checkpoint", setting))
     act = [r["activations"] for r in runs]
     act_text = f"{median('activations', runs) / 2**20:.1f} MiB"
@@ -32,7 +33,7 @@ for (model, batch, impl, setting), runs in rows.items():
         act_text += f" ({min(act) / 2**20:.1f}–{max(act) / 2**20:.1f})"
     t, t0, f0 = median("seconds", runs), median("seconds", base), median("forward_seconds", base)
     versus = f"{t / median('seconds', peer):.2f}×" if impl == "memsave" and peer else ""
-    extra = f"{(t - t0) / f0:.2f}" if setting != "none" else ""
+    extra = f"{(t - t0) / f0:.2f}" if setting not in ("none", "bf16") else ""
     print(f"| {model} | {batch} | {impl} | {setting} | {act_text} | "
           f"{median('activations', runs) / median('activations', base):.2f}× | {t:.3f} s | {t / t0:.2f}× | "
           f"{extra} | {versus} |")

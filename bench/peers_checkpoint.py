@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The Python peer of bench_checkpoint.cpp: torch.utils.checkpoint on the same architectures (the zoo's gpt-12l
-and ResNet-50), the same settings, batch and threads. Memory is counted by memsave's own meter, loaded into this
+and ResNet-50), the same settings (torch.autocast for the bf16 ones), batch and threads. Memory is counted by memsave's own meter, loaded into this
 process with ctypes (build/bench/libmemsave_pymeter.so installs the counting CPU allocator in the LibTorch this
 Python imported), so both columns come from the same counter.
 
@@ -125,12 +125,12 @@ def make_forward(model, elements, setting):
     modules = [m for _, m in elements]
     n = len(modules)
     net = nn.Sequential(*modules)
-    if setting == "none":
+    if setting in ("none", "bf16"):
         return net, net
     if setting == "sqrt(n) segments":
         segments = round(math.sqrt(n))
         return net, lambda x: checkpoint_sequential(net, segments, x, use_reentrant=False)
-    if setting == "every layer":
+    if setting in ("every layer", "bf16, every layer"):
         recompute = [True] * (n - 1) + [False]  # as checkpoint_sequential: the last one is needed at once
     else:
         recompute = [not policy_keeps(model, name) for name, _ in elements]
@@ -165,7 +165,8 @@ def run(model, batch, setting):
         start_bytes = meter.memsave_cpu_current()
         meter.memsave_cpu_reset_peak()
         start = time.perf_counter()
-        loss = loss_fn(forward(x))
+        with torch.autocast("cpu", torch.bfloat16, enabled=setting.startswith("bf16")):
+            loss = loss_fn(forward(x))
         forward_end = time.perf_counter()
         loss.backward()
         end = time.perf_counter()
@@ -177,7 +178,7 @@ def run(model, batch, setting):
 
 
 for model, batch in [("gpt-12l", 8), ("resnet50", 8)]:
-    for setting in ["none", "every layer", "sqrt(n) segments", "per-layer policy"]:
+    for setting in ["none", "every layer", "sqrt(n) segments", "per-layer policy", "bf16", "bf16, every layer"]:
         activations, seconds, forward_seconds = run(model, batch, setting)
         print(json.dumps({"impl": "torch.utils.checkpoint", "model": model, "batch": batch, "setting": setting,
                           "activations": activations, "seconds": seconds, "forward_seconds": forward_seconds,

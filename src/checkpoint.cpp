@@ -7,6 +7,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/SequenceNumber.h>
+#include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
@@ -60,6 +61,24 @@ class ReplayAutocast {
 
  private:
   std::vector<AutocastState> previous_;
+};
+
+/// Turns autocast's cache of cast weights off for its lifetime (the flag is per thread), then puts the flag
+/// back. A checkpointed piece's graph holds the casts it needs while the piece runs; the cache would hold
+/// them until the outermost autocast ends: through the rest of the forward, beside the later pieces (and, for
+/// a backward run inside autocast, through the rest of the backward), 2 bytes per cast fp32 weight under bf16
+/// or fp16. Without it a weight used twice inside one piece is cast twice.
+class NoCastCache {
+ public:
+  NoCastCache() : previous_(at::autocast::is_autocast_cache_enabled()) {
+    at::autocast::set_autocast_cache_enabled(false);
+  }
+  ~NoCastCache() { at::autocast::set_autocast_cache_enabled(previous_); }
+  NoCastCache(const NoCastCache&) = delete;
+  NoCastCache& operator=(const NoCastCache&) = delete;
+
+ private:
+  bool previous_;
 };
 
 /// The state of the default generators of some devices (the CPU's and the CUDA devices').
@@ -255,6 +274,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
       torch::AutoGradMode grad_mode(true);
       ReplayRng rng(r->rng ? &*r->rng : nullptr, r->cuda_devices);
       ReplayAutocast autocast(r->autocast);
+      NoCastCache no_cache;
       outputs = run(r->fn, inputs);
     }
     if (r->options.check_recompute()) check_recompute(*r, outputs);
@@ -335,7 +355,11 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
   r->autocast = {AutocastState::of(c10::kCPU), AutocastState::of(c10::kCUDA)};
 
   const uint64_t first_node = at::sequence_number::peek();
-  std::vector<at::Tensor> outputs = run(fn, leaves);
+  std::vector<at::Tensor> outputs;
+  {
+    NoCastCache no_cache;
+    outputs = run(fn, leaves);
+  }
   r->parameters = leaves_behind(outputs, leaves, first_node);
   for (const at::Tensor& p : r->parameters)
     TORCH_CHECK(

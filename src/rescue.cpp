@@ -235,25 +235,6 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
         checkpoint([](at::TensorList x) { return std::vector<torch::Tensor>{x[0] * 2}; }, {probe})[0];
     model.piece_state_ = memory_stats(device).current - before - bytes_of(out);
   }
-  // What each element leaves in autocast's cache of cast weights when it is checkpointed: its graph, which
-  // holds the casts otherwise, goes after the forward; the cache keeps them until the forward's autocast
-  // ends. A forward only, every element checkpointed, each keeping its input (as the checkpoint does).
-  auto cached_casts = [&](bool amp, const torch::Tensor& in) {
-    std::vector<double> cached(n, 0);
-    std::optional<amp::Autocast> autocast;
-    if (amp) autocast.emplace(device.type(), c10::kBFloat16);
-    torch::Tensor x = in;
-    for (size_t i = 0; i < n; ++i) {
-      const int64_t before = memory_stats(device).current;
-      torch::nn::AnyModule& element = net->begin()[i];
-      x = checkpoint(*element.ptr(),
-                     [&](at::TensorList t) { return std::vector<torch::Tensor>{element.forward(t[0])}; },
-                     {x})[0];
-      cached[i] =
-          static_cast<double>(memory_stats(device).current - before - bytes_of(x) - model.piece_state_);
-    }
-    return cached;
-  };
   for (bool amp : {false, true}) {
     Activations& a = amp ? model.amp_ : model.fp32_;
     const Pass large = run_pass(amp, input, target);
@@ -263,7 +244,6 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     // Once more holding each element's output and its gradient through its backward, as a recomputation
     // holds its piece's last element's.
     const Pass holding = run_pass(amp, small_input, small_target, /*accumulate=*/false, /*hold=*/true);
-    a.cached = cached_casts(amp, small_input);
     for (auto* v :
          {&a.stored, &a.stored_fixed, &a.freed, &a.freed_fixed, &a.carried, &a.carried_fixed, &a.output,
           &a.forward, &a.forward_fixed, &a.backward, &a.backward_fixed, &a.incoming, &a.holding})
@@ -351,8 +331,7 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
   double peak = 0;
 
   // The first forward (it matters beside the gradients of earlier micro-batches): the pieces before keep
-  // what the backward will find of them, and a recomputed piece also the casts it left in autocast's cache
-  // until the forward ends; the piece keeps its input and its graph so far.
+  // what the backward will find of them; the piece keeps its input and its graph so far.
   double kept_before = 0;
   for (size_t p = 0; p < plan.size(); ++p) {
     const auto& piece = plan[p];
@@ -362,9 +341,7 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
       peak = std::max(peak, kept_before + graph + stored(i) + forward(i) + (accumulating ? all_grads : 0.0));
       graph += stored(i);
     }
-    double casts = 0;
-    for (size_t i = piece.begin; i < piece.end; ++i) casts += a.cached[i];
-    kept_before += piece.recompute ? input(p) + casts : graph;
+    kept_before += piece.recompute ? input(p) : graph;
   }
 
   // The backward walks the pieces from the last to the first; while it is in element i of a piece, the

@@ -4,6 +4,7 @@
 
 #include "zoo/zoo.h"
 
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -236,6 +237,57 @@ TEST(Checkpoint, ReplaysTheForwardsAutocastState) {
     return grads_of(model->parameters());
   };
   expect_bit_identical(step(plain), step(net));
+}
+
+TEST(Checkpoint, LeavesNoCastWeightsInAutocastsCache) {
+  install_meter();
+  // Convolutions take their fp32 weights as they are, so autocast caches the bf16 copies it makes of them
+  // (until the outermost autocast ends) unless its cache is off. A checkpointed piece's casts must go with
+  // the piece: the bytes in use after the forward, and after a backward run inside autocast, are those of
+  // the same steps with autocast's cache off altogether (torch's own flag, the reference).
+  auto make = [] {
+    tnn::Sequential s;
+    for (int i = 0; i < 4; ++i) s->push_back(tnn::Conv2d(tnn::Conv2dOptions(32, 32, 3).padding(1)));
+    return s;
+  };
+  const auto x = torch::randn({2, 32, 8, 8});
+  struct Bytes {
+    int64_t after_forward, after_backward;
+    std::vector<torch::Tensor> grads;
+  };
+  auto step = [&](bool checkpointed, bool cache) {
+    torch::manual_seed(3);
+    tnn::Sequential model = make();
+    using Segment = nn::CheckpointSequentialImpl::Segment;
+    auto net = checkpointed
+                   ? nn::CheckpointSequential(
+                         model, std::vector<Segment>{{0, 1, true}, {1, 2, true}, {2, 3, true}, {3, 4, true}})
+                         .ptr()
+                   : nullptr;
+    const bool was = at::autocast::is_autocast_cache_enabled();
+    at::autocast::set_autocast_cache_enabled(cache);
+    Bytes b;
+    {
+      const int64_t before = memory_stats(torch::kCPU).current;
+      amp::Autocast autocast(torch::kCPU, torch::kBFloat16);
+      torch::Tensor y = net ? net->forward(x) : model->forward(x);
+      EXPECT_EQ(at::autocast::is_autocast_cache_enabled(), cache);  // put back after each piece
+      b.after_forward = memory_stats(torch::kCPU).current - before;
+      y.to(torch::kFloat).square().sum().backward();
+      y = torch::Tensor();
+      b.after_backward = memory_stats(torch::kCPU).current - before;
+    }
+    at::autocast::set_autocast_cache_enabled(was);
+    b.grads = grads_of(model->parameters());
+    return b;
+  };
+  const Bytes plain = step(false, true), checkpointed = step(true, true), reference = step(true, false);
+  EXPECT_EQ(checkpointed.after_forward, reference.after_forward);
+  EXPECT_EQ(checkpointed.after_backward, reference.after_backward);
+  // What the cache would have held: the four convolutions' bf16 weights, which the plain forward's cache
+  // still holds after its backward.
+  EXPECT_GE(plain.after_backward - reference.after_backward, 4 * 32 * 32 * 9 * 2);
+  expect_bit_identical(plain.grads, checkpointed.grads);
 }
 
 TEST(Checkpoint, FunctionalFormWithSeveralInputsAndOutputs) {

@@ -180,11 +180,11 @@ TEST(Estimate, PredictsEveryCandidateOfTheChecklistFromOneProfile) {
   }
 }
 
-TEST(Estimate, CountsTheCastsAutocastCachesInACheckpointedForward) {
+TEST(Estimate, PredictsAConvolutionStackWhoseWeightsOutweighItsActivations) {
   install_meter();
-  // Convolutions' weights large against their activations: with accumulation the peak is the first forward
-  // of a later micro-batch, beside the earlier one's gradients, where autocast's cache holds the bf16 cast of
-  // every checkpointed convolution's weight until the forward ends.
+  // Convolutions' weights large against their activations: with accumulation the peak can be the first
+  // forward of a later micro-batch, beside the earlier one's gradients. Under autocast each convolution casts
+  // its weight (and autocast caches the cast unless the convolution is checkpointed).
   TrainingSetup setup = training_setup("mlp");
   setup.make_model = [] {
     torch::nn::Sequential net;

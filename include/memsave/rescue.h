@@ -90,9 +90,6 @@ class MemoryModel {
     /// what holding an element's output and the gradient of its output through its backward (as a
     /// recomputed piece does for its last element's) adds to the backward's peak, per row
     std::vector<double> holding;
-    /// what a checkpointed element's forward leaves in autocast's cache of cast weights until the forward
-    /// ends
-    std::vector<double> cached;
     /// bytes of parameter gradients present once element i's backward has run (i = elements: none)
     std::vector<double> grads;
     /// whether an element's output is still there when its backward begins (its own graph keeps it)
