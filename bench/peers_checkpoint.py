@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The Python peer of bench_checkpoint.cpp: torch.utils.checkpoint on the same architectures (the zoo's gpt-12l
-and ResNet-50), the same settings (torch.autocast for the bf16 ones), batch and threads. Memory is counted by memsave's own meter, loaded into this
-process with ctypes (build/bench/libmemsave_pymeter.so installs the counting CPU allocator in the LibTorch this
-Python imported), so both columns come from the same counter.
+and ResNet-50), the same settings (torch.autocast for the bf16 ones), batch and threads. Memory is counted by
+memsave's own meter, loaded into this process with ctypes (build/bench/libmemsave_pymeter.so installs the
+counting CPU allocator in the LibTorch this Python imported), so both columns come from the same counter.
 
 Prints one JSON object per line, as the C++ benchmark. Called by bench/run_checkpoint_bench.sh:
     peers_checkpoint.py METER_SO THREADS STEPS

@@ -14,7 +14,8 @@
 // the recomputation. Without grad mode (and, for the module wrappers, in eval()) nothing is checkpointed.
 // Under autocast a piece runs with autocast's cache of cast weights off, so its casts go with the piece
 // instead of staying until the autocast region ends (torch.utils.checkpoint keeps them there: 2 bytes per
-// cast weight, through the rest of the forward); a weight used twice inside one piece is cast twice.
+// element of each cast weight, through the rest of the forward); a weight used twice inside one piece is
+// cast twice.
 #pragma once
 
 #include <torch/nn/module.h>
