@@ -1,5 +1,6 @@
 #include "memsave/checkpoint.h"
 
+#include "autograd_graph.h"
 #include "compat.h"
 #include "memory_internal.h"
 #include "memsave/memory.h"
@@ -10,13 +11,18 @@
 #include <ATen/autocast_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/custom_class.h>
 #include <torch/nn/modules.h>
 
 #include <algorithm>
+#include <iterator>
+#include <memory>
 #include <mutex>
 #include <ostream>
+#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -198,27 +204,102 @@ std::vector<at::Tensor> leaves_behind(const std::vector<at::Tensor>& outputs,
   std::unordered_set<const c10::TensorImpl*> known;
   for (const at::Tensor& t : inputs) known.insert(t.unsafeGetTensorImpl());
   std::vector<at::Tensor> leaves;
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  for (const at::Tensor& out : outputs)
-    if (out.grad_fn()) stack.push_back(out.grad_fn().get());
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
+  detail::walk_graph(outputs, [&](const torch::autograd::Node& node) {
+    if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(&node)) {
       if (known.insert(leaf->variable.unsafeGetTensorImpl()).second) leaves.push_back(leaf->variable);
-      continue;
+      return false;
     }
-    TORCH_CHECK(node->sequence_nr() >= first_node,
+    TORCH_CHECK(node.sequence_nr() >= first_node,
                 "checkpoint: the function uses a tensor that requires grad and ",
-                "was computed outside it (by ", node->name(),
+                "was computed outside it (by ", node.name(),
                 "); its gradient would be lost. Pass it as one of the inputs");
-    for (const torch::autograd::Edge& edge : node->next_edges())
-      if (edge.function) stack.push_back(edge.function.get());
-  }
+    return true;
+  });
   return leaves;
 }
+
+/// Whether the backward running now adds the piece's parameter gradients to `.grad` (a `backward()` without
+/// `inputs`, which runs every gradient accumulator it reaches) and receives each of them from this piece
+/// alone: then the recomputation may add them as they arrive, as the backward without checkpointing does,
+/// instead of handing them back together at the end of the piece (which holds a piece's parameter gradients
+/// at once while earlier gradients accumulate). A parameter's accumulator is referenced by one edge of every
+/// graph node that uses the parameter, alive until that backward ends: counting those of the recomputed graph
+/// behind `outputs` (its nodes from `first_node` on), the piece's own edge and the references memsave holds
+/// (detail::HeldNode) must give all of them.
+/// Any other use (a weight shared with another piece, or outside any) keeps the gradients handed back, so
+/// that they are summed in the order the backward without checkpointing sums them.
+bool accumulates_here(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& outputs,
+                      uint64_t first_node) {
+  const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
+  if (parameters.empty() || exec_info == nullptr || !exec_info->empty()) return false;
+  std::unordered_map<const torch::autograd::Node*, int64_t>
+      edges;  // into accumulators, from the recomputation
+  detail::walk_graph(outputs, [&](const torch::autograd::Node& node) {
+    if (dynamic_cast<const torch::autograd::AccumulateGrad*>(&node) || node.sequence_nr() < first_node)
+      return false;
+    for (const torch::autograd::Edge& edge : node.next_edges())
+      if (dynamic_cast<const torch::autograd::AccumulateGrad*>(edge.function.get()))
+        ++edges[edge.function.get()];
+    return true;
+  });
+  for (const at::Tensor& p : parameters) {
+    const compat::NodeRef accumulator = torch::autograd::impl::try_get_grad_accumulator(p);
+    // NOTE: the outer backward still runs the accumulator, with no gradient: a hook on the parameter, or on
+    // the accumulator, would run a second time (DistributedDataParallel's would count the gradient twice).
+    if (!accumulator || !accumulator->pre_hooks().empty() || !accumulator->tensor_pre_hooks().empty())
+      return false;
+    for (const auto& hook : accumulator->post_hooks())
+      if (!dynamic_cast<const detail::ToleratesNoGradient*>(hook.get())) return false;
+    const auto it = edges.find(accumulator.get());
+    const int64_t explained = 1 + 1 + (it == edges.end() ? 0 : it->second) +
+                              detail::times_held(accumulator.get());  // this, the piece
+    if (static_cast<int64_t>(accumulator.use_count()) != explained) return false;
+  }
+  return true;
+}
+
+/// Takes the hooks registered on the parameters off them (their accumulators' tensor pre-hooks) while it
+/// lives: torch::autograd::grad runs them on the gradients it captures, and the outer backward runs them
+/// again on the gradients handed back to it. Puts them back before any registered meanwhile.
+class ParameterHooksAside {
+ public:
+  explicit ParameterHooksAside(const std::vector<at::Tensor>& parameters) {
+    for (const at::Tensor& p : parameters) {
+      compat::NodeRef accumulator = torch::autograd::impl::try_get_grad_accumulator(p);
+      if (!accumulator || accumulator->tensor_pre_hooks().empty()) continue;
+      Hooks hooks = std::move(accumulator->tensor_pre_hooks());
+      accumulator->tensor_pre_hooks().clear();
+      aside_.emplace_back(std::move(accumulator), std::move(hooks));
+    }
+  }
+  ~ParameterHooksAside() {
+    for (auto& [accumulator, hooks] : aside_) {
+      Hooks& now = accumulator->tensor_pre_hooks();
+      hooks.insert(hooks.end(), std::make_move_iterator(now.begin()), std::make_move_iterator(now.end()));
+      now = std::move(hooks);
+    }
+  }
+  ParameterHooksAside(const ParameterHooksAside&) = delete;
+  ParameterHooksAside& operator=(const ParameterHooksAside&) = delete;
+
+ private:
+  using Hooks = std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>;
+  std::vector<std::pair<compat::NodeRef, Hooks>> aside_;
+};
+
+/// A pre-hook on a node that a recomputation's backward starts from: once that node has received its
+/// gradients, lets go of the references the caller kept to hand them to the engine.
+class ReleaseSeeds : public torch::autograd::FunctionPreHook {
+ public:
+  explicit ReleaseSeeds(std::shared_ptr<std::vector<at::Tensor>> seeds) : seeds_(std::move(seeds)) {}
+  variable_list operator()(const variable_list& inputs) override {
+    for (at::Tensor& seed : *seeds_) seed.reset();
+    return inputs;
+  }
+
+ private:
+  std::shared_ptr<std::vector<at::Tensor>> seeds_;
+};
 
 class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
  public:
@@ -249,7 +330,9 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     return outputs;
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+  /// NOTE: `grad_outputs` by reference: LibTorch passes the vector it holds through this call, and the seeds
+  /// are moved out of it so that they can go before the call ends.
+  static variable_list backward(AutogradContext* ctx, variable_list& grad_outputs) {
     const auto r = c10::static_intrusive_pointer_cast<Recompute>(ctx->saved_data["recompute"].toCapsule());
     const bool create_graph = at::GradMode::is_enabled();
 
@@ -283,7 +366,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     for (size_t i = 0; i < outputs.size() && i < grad_outputs.size(); ++i) {
       if (grad_outputs[i].defined() && outputs[i].requires_grad()) {
         differentiated.push_back(outputs[i]);
-        seeds.push_back(grad_outputs[i]);
+        seeds.push_back(std::move(grad_outputs[i]));
       }
     }
     std::vector<at::Tensor> targets;
@@ -298,15 +381,50 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
                   " that requires grad but the forward did not use (the function must ",
                   "compute the same thing twice)");
     targets.insert(targets.end(), r->parameters.begin(), r->parameters.end());
+    const bool accumulate =
+        !create_graph && !differentiated.empty() && accumulates_here(r->parameters, outputs, first_node);
 
-    std::vector<at::Tensor> grads(targets.size());
-    if (!differentiated.empty())
-      grads =
-          torch::autograd::grad(differentiated, targets, seeds, /*retain_graph=*/create_graph, create_graph,
-                                /*allow_unused=*/true);
+    // The recomputed backward starts from the outputs' gradient edges. The outputs and their gradients (the
+    // seeds) then go as the backward lets go of them, as without checkpointing, instead of staying to the end
+    // of the piece: the outputs now (the graph keeps what it saved of them), the seeds once the nodes the
+    // backward starts from have received them.
+    torch::autograd::edge_list roots;
+    for (const at::Tensor& out : differentiated) roots.push_back(torch::autograd::impl::gradient_edge(out));
+    outputs.clear();
+    differentiated.clear();
+    const auto handed = std::make_shared<std::vector<at::Tensor>>(std::move(seeds));
+    for (const torch::autograd::Edge& root : roots)
+      if (!dynamic_cast<const torch::autograd::AccumulateGrad*>(root.function.get()) &&
+          root.function->sequence_nr() >= first_node)  // a node of the recomputation
+        root.function->add_pre_hook(std::make_unique<ReleaseSeeds>(handed));
+    torch::autograd::Engine& engine = torch::autograd::Engine::get_default_engine();
 
     // One gradient per forward argument: none for the Recompute, then the inputs, then the parameters.
     variable_list result{at::Tensor()};
+    if (accumulate) {
+      // The recomputed graph's leaves are the inputs that require grad and the parameters (leaves_behind
+      // checked it): its backward adds the parameters' gradients to .grad and leaves the inputs' in theirs.
+      engine.execute(roots, *handed, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
+      for (at::Tensor& x : inputs) result.push_back(std::exchange(x.mutable_grad(), at::Tensor()));
+      result.resize(1 + inputs.size() + r->parameters.size());  // none: they are in .grad
+      return result;
+    }
+    // The gradients of the targets the recomputed graph reaches (torch::autograd::grad with allow_unused).
+    std::vector<at::Tensor> grads(targets.size());
+    torch::autograd::edge_list wanted;
+    std::vector<size_t> reached;
+    for (size_t i = 0; i < targets.size(); ++i) {
+      if (compat::NodeRef accumulator = torch::autograd::impl::try_get_grad_accumulator(targets[i])) {
+        wanted.emplace_back(std::move(accumulator), 0);
+        reached.push_back(i);
+      }
+    }
+    if (!roots.empty() && !wanted.empty()) {
+      const ParameterHooksAside aside(r->parameters);
+      variable_list captured = engine.execute(roots, *handed, /*keep_graph=*/create_graph, create_graph,
+                                              /*accumulate_grad=*/false, wanted);
+      for (size_t k = 0; k < reached.size(); ++k) grads[reached[k]] = std::move(captured[k]);
+    }
     size_t next = 0;
     for (size_t i = 0; i < inputs.size(); ++i)
       result.push_back(r->input_requires_grad[i] ? std::move(grads[next++]) : at::Tensor());

@@ -2,6 +2,7 @@
 
 #include "../kernels/fingerprint.h"
 #include "archive.h"
+#include "autograd_graph.h"
 #include "compat.h"
 #include "kernel_dtype.h"
 #ifdef MEMSAVE_WITH_CUDA
@@ -113,7 +114,7 @@ struct OffloadOptimizer::BackwardCopies {
     /// `print` holds it, on CUDA entry `slot` of `prints`.
     bool printed = false;
     uint64_t print = 0;
-    compat::NodeRef accumulator;
+    detail::HeldNode accumulator;
     uintptr_t hook_key = 0;
   };
   std::vector<Slot> slots;
@@ -283,13 +284,15 @@ struct OffloadOptimizer::BackwardCopies {
 namespace {
 
 /// Runs after the backward has accumulated a parameter's gradient.
-class CopyWhenAccumulated : public torch::autograd::FunctionPostHook {
+class CopyWhenAccumulated : public detail::ToleratesNoGradient {
  public:
   CopyWhenAccumulated(std::shared_ptr<OffloadOptimizer::BackwardCopies> copies, size_t slot)
       : copies_(std::move(copies)), slot_(slot) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    copies_->copy(slot_);
+                                            const torch::autograd::variable_list& inputs) override {
+    // None arrives where a checkpointed piece added the gradient in its own backward (which ran this hook
+    // then), or where a piece's recomputation did not use the parameter.
+    if (!inputs.empty() && inputs[0].defined()) copies_->copy(slot_);
     return outputs;
   }
 
@@ -378,7 +381,7 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
       slot.param = offloaded_[i].param;
       slot.host = offloaded_[i].landing();
       if (!slot.param.requires_grad()) continue;  // no backward will reach it
-      slot.accumulator = torch::autograd::impl::grad_accumulator(slot.param);
+      slot.accumulator = detail::HeldNode(torch::autograd::impl::grad_accumulator(slot.param));
       slot.hook_key = slot.accumulator->add_post_hook(std::make_unique<CopyWhenAccumulated>(copies_, i));
     }
     if (options.step_during_backward()) {

@@ -5,13 +5,18 @@
 #include "memsave/memory.h"
 #include "memsave/optim.h"
 
+#include "autograd_graph.h"
+
+#include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace memsave {
@@ -136,10 +141,20 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     for (const auto& p : params) bytes += bytes_of(p.grad());
     return bytes;
   };
-  // `hold`: each element's output and the gradient of its output are held through the element's backward,
-  // as a recomputation holds those of its piece's last element.
-  auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false,
-                      bool hold = false) {
+  // The parameters an element's forward used (a tied weight: in two elements), from its graph.
+  std::vector<std::vector<const c10::TensorImpl*>> used;
+  auto parameters_used = [](const torch::Tensor& out, uint64_t first_node) {
+    std::vector<const c10::TensorImpl*> leaves;
+    detail::walk_graph({out}, [&](const torch::autograd::Node& node) {
+      if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(&node)) {
+        leaves.push_back(leaf->variable.unsafeGetTensorImpl());
+        return false;
+      }
+      return node.sequence_nr() >= first_node;
+    });
+    return leaves;
+  };
+  auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false) {
     if (!accumulate) optimizer->zero_grad();
     Pass pass;
     for (auto* v : {&pass.stored, &pass.freed, &pass.output, &pass.forward, &pass.backward, &pass.carried})
@@ -153,20 +168,16 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     // The window of element k's backward (k == n: the loss's).
     std::optional<PeakScope> window;
     size_t open = n;
-    torch::Tensor held_grad;
-    c10::intrusive_ptr<c10::StorageImpl> held_output;
     auto close = [&](size_t next) {
       const int64_t grads = grad_bytes() - start_grads;
       const double peak = static_cast<double>(window->peak() - start - grads) - held[open];
       (open == n ? pass.loss : pass.backward[open]) = peak;
       pass.grads[open] = static_cast<double>(grads);
       window.reset();
-      held_grad.reset();
-      held_output.reset();
       open = next;
       if (next != SIZE_MAX) {
         // Whether the element's output outlived the backward of the elements after it (its own graph keeps
-        // it), or a recomputation that holds it adds it to the element's window.
+        // it).
         pass.output_kept[next] = !outputs[next].expired();
         // What the backward so far leaves beside the elements' graphs and the gradients: the gradient of
         // this element's output, and a shared weight's gradient waiting for its other uses.
@@ -183,11 +194,13 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
       for (size_t i = 0; i < n; ++i) {
         int64_t forward_peak = 0;
         torch::Tensor input = std::move(x);
+        const uint64_t first_node = at::sequence_number::peek();
         {
           PeakScope scope(device);
           x = net->begin()[i].forward(input);
           forward_peak = scope.peak();
         }
+        if (used.size() == i) used.push_back(parameters_used(x, first_node));  // in the first pass
         // What the element lets go of its input once the caller does (what its graph does not keep).
         const int64_t with_input = memory_stats(device).current;
         input.reset();
@@ -202,13 +215,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
         held[i + 1] = held[i] + pass.stored[i];
         in_use = now;
         if (x.requires_grad()) {
-          x.register_hook([&, i](const torch::Tensor& grad) {
-            close(i);
-            if (hold) {
-              held_grad = grad;
-              held_output = outputs[i].lock();
-            }
-          });
+          x.register_hook([&, i](const torch::Tensor&) { close(i); });
         }
       }
       loss = setup.loss(x, tgt);
@@ -227,6 +234,20 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
 
   run_pass(false, input, target);
   optimizer->step();  // creates the state
+  {                   // the first and the last element that use a parameter of each element
+    std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> span;
+    for (size_t i = 0; i < n; ++i)
+      for (const c10::TensorImpl* p : used[i]) span.try_emplace(p, i, i).first->second.second = i;
+    model.shares_from_.resize(n);
+    model.shares_to_.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      model.shares_from_[i] = model.shares_to_[i] = i;
+      for (const c10::TensorImpl* p : used[i]) {
+        model.shares_from_[i] = std::min(model.shares_from_[i], span[p].first);
+        model.shares_to_[i] = std::max(model.shares_to_[i], span[p].second);
+      }
+    }
+  }
   {  // what a checkpointed piece keeps beside its input and output (the generators' state, where the device
      // pool holds it: on the CPU)
     const torch::Tensor probe = torch::zeros({1}, torch::TensorOptions().device(device).requires_grad(true));
@@ -241,12 +262,8 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     const Pass small = run_pass(amp, small_input, small_target);
     // Once more onto the gradients it left: what a later micro-batch's gradients add while they arrive.
     const Pass accumulated = run_pass(amp, small_input, small_target, /*accumulate=*/true);
-    // Once more holding each element's output and its gradient through its backward, as a recomputation
-    // holds its piece's last element's.
-    const Pass holding = run_pass(amp, small_input, small_target, /*accumulate=*/false, /*hold=*/true);
-    for (auto* v :
-         {&a.stored, &a.stored_fixed, &a.freed, &a.freed_fixed, &a.carried, &a.carried_fixed, &a.output,
-          &a.forward, &a.forward_fixed, &a.backward, &a.backward_fixed, &a.incoming, &a.holding})
+    for (auto* v : {&a.stored, &a.stored_fixed, &a.freed, &a.freed_fixed, &a.carried, &a.carried_fixed,
+                    &a.output, &a.forward, &a.forward_fixed, &a.backward, &a.backward_fixed, &a.incoming})
       v->resize(n);
     a.grads = large.grads;
     a.output_kept = large.output_kept;
@@ -258,7 +275,6 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
       fit(large.backward[i], small.backward[i], a.backward[i], a.backward_fixed[i]);
       a.output[i] = large.output[i] / rows;
       a.incoming[i] = std::max(0.0, accumulated.backward[i] - small.backward[i]);
-      a.holding[i] = std::max(0.0, holding.backward[i] - small.backward[i]) / static_cast<double>(small_rows);
     }
     fit(large.loss, small.loss, a.loss, a.loss_fixed);
   }
@@ -312,15 +328,23 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
   auto backward = [&](size_t i) { return a.backward_fixed[i] + a.backward[i] * rows; };
   auto output = [&](size_t i) { return a.output[i] * rows; };
   auto carried = [&](size_t i) { return a.carried_fixed[i] + a.carried[i] * rows; };
+  // A recomputed piece adds its parameters' gradients to the existing ones as they arrive, as the backward
+  // without checkpointing does, where no element outside it uses them; otherwise it hands them back together
+  // at its end.
+  auto hands_back = [&](const nn::CheckpointSequentialImpl::Segment& piece) {
+    for (size_t i = piece.begin; i < piece.end; ++i)
+      if (shares_from_[i] < piece.begin || shares_to_[i] >= piece.end) return true;
+    return false;
+  };
   // Parameter gradients present while element i's backward runs (a.grads, measured: the elements' from i
   // on, and those of weights they share with earlier ones). The first micro-batch of a window: those. Later
   // ones: all of them, and beside them the gradients arriving to be added: what the profile measured for
-  // the element, or in a recomputed piece those of its elements from i on, which it holds until it hands
-  // them back together at its end.
+  // the element, or in a recomputed piece that hands them back those of its elements from i on, which it
+  // holds until its end.
   const double all_grads = static_cast<double>(param_bytes_);
   auto grads_in = [&](size_t i, const nn::CheckpointSequentialImpl::Segment& piece) {
     if (!accumulating) return a.grads[i];
-    if (piece.recompute) return all_grads + a.grads[i] - a.grads[piece.end];
+    if (piece.recompute && hands_back(piece)) return all_grads + a.grads[i] - a.grads[piece.end];
     return all_grads + a.incoming[i];
   };
   // A piece's input is the output of the piece before it. The profile counted an element's output in that
@@ -371,20 +395,18 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
       }
       inside += unfreed;
     }
+    // A recomputed piece lets go of its seed and recomputed output as the backward without checkpointing
+    // does: each element's backward is the profile's window.
     for (size_t i = b; i < e; ++i) {
-      // A recomputed piece holds the seed and its recomputed output until its backward ends, where the
-      // profile's window of element i lacks them.
-      double held = 0;
-      if (piece.recompute && i + 1 < e) held = 2 * output(e - 1);
-      if (piece.recompute && i + 1 == e) held = (a.output_kept[i] ? 0.0 : output(i)) + a.holding[i] * rows;
-      peak = std::max(peak, kept_before + held + inside + backward(i) + grads_in(i, piece));
+      peak = std::max(peak, kept_before + inside + backward(i) + grads_in(i, piece));
       inside += stored(i);
     }
     if (piece.recompute) {
-      // The piece's backward returns its gradients together, beside the seed and its input's gradient;
-      // onto existing gradients they are then added one by one.
-      const double handed = accumulating ? all_grads + a.grads[b] - a.grads[e] : a.grads[b];
-      peak = std::max(peak, kept_before + input(p) + output(e - 1) + (b > 0 ? output(b - 1) : 0.0) + handed);
+      // The piece's backward ends beside its input's gradient; one that hands its gradients back returns
+      // them together, and onto existing gradients they are then added one by one.
+      const double handed =
+          !accumulating ? a.grads[b] : all_grads + (hands_back(piece) ? a.grads[b] - a.grads[e] : 0.0);
+      peak = std::max(peak, kept_before + input(p) + (b > 0 ? output(b - 1) : 0.0) + handed);
     }
     kept_before += piece.recompute ? input(p) : inside;
   }

@@ -2,6 +2,7 @@
 #include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 
+#include "../src/compat.h"
 #include "zoo/zoo.h"
 
 #include <ATen/autocast_mode.h>
@@ -365,6 +366,154 @@ TEST(Checkpoint, PeakActivationMemoryFallsWithSegments) {
   EXPECT_NEAR(eight, 7 + 2 + in_flight, 1.5);
   EXPECT_LT(four, two);
   EXPECT_LT(four, eight);
+}
+
+/// Two micro-batches of a window, from the same RNG state: the parameters' gradients after both (the second
+/// backward adds to what the first left) and the second input's gradient.
+template <typename Model>
+std::vector<torch::Tensor> accumulate_two(Model& model, const torch::Tensor& first,
+                                          const torch::Tensor& second,
+                                          const std::function<torch::Tensor(const torch::Tensor&)>& loss) {
+  train_step(model, first, loss);
+  return train_step(model, second, loss);
+}
+
+TEST(Checkpoint, UnderAccumulationGradientsStayBitIdentical) {
+  // Each parameter used once: a recomputed piece adds its gradients to .grad in its own backward.
+  for (int64_t segments : {2, 5}) {
+    SCOPED_TRACE(segments);
+    auto [plain, wrapped] = twins(mlp);
+    auto net = checkpoint_sequential(wrapped, segments);
+    const auto a = torch::randn({16, 32}), b = torch::randn({16, 32});
+    expect_bit_identical(accumulate_two(plain, a, b, sum_squares), accumulate_two(net, a, b, sum_squares));
+  }
+  // Tied embeddings: the token embedding's gradient arrives from its recomputed piece and from the head, and
+  // is summed with the earlier micro-batch's in the order the plain backward sums it.
+  const auto tokens = torch::randint(50, {3, 12}, torch::kLong),
+             more = torch::randint(50, {3, 12}, torch::kLong);
+  auto loss = [&](const torch::Tensor& logits) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, 50}), tokens.reshape({-1}));
+  };
+  {
+    auto [plain, wrapped] = twins(transformer);
+    auto net = checkpoint_sequential(wrapped, 9);  // every element but the head
+    expect_bit_identical(accumulate_two(plain, tokens, more, loss), accumulate_two(net, tokens, more, loss));
+  }
+  // One Linear used by two recomputed pieces: its two gradients are added to .grad as one sum, as without
+  // checkpointing, not one after the other.
+  auto shared = [] {
+    auto linear = tnn::Linear(32, 32);
+    return tnn::Sequential(linear, tnn::Tanh(), linear, tnn::Tanh(), tnn::Linear(32, 4));
+  };
+  auto [plain, wrapped] = twins(shared);
+  auto net = checkpoint_sequential(wrapped, 5);
+  const auto a = torch::randn({16, 32}), b = torch::randn({16, 32});
+  expect_bit_identical(accumulate_two(plain, a, b, sum_squares), accumulate_two(net, a, b, sum_squares));
+}
+
+TEST(Checkpoint, UnderAccumulationAPieceAddsItsParameterGradientsAsTheyArrive) {
+  install_meter();
+  // One recomputed piece of four 512 x 512 layers (1 MiB of weights each) on 2 rows: the gradients of the
+  // weights dwarf the activations. While a later micro-batch's backward runs, each weight's new gradient is
+  // added to .grad and let go; a piece that handed them back together at its end would hold all four.
+  auto make = [] {
+    return tnn::Sequential(tnn::Linear(512, 512), tnn::Tanh(), tnn::Linear(512, 512), tnn::Tanh(),
+                           tnn::Linear(512, 512), tnn::Tanh(), tnn::Linear(512, 512));
+  };
+  auto [plain, wrapped] = twins(make);
+  nn::Checkpoint piece(wrapped);
+  const auto x = torch::randn({2, 512});
+  auto backward_peak = [&](auto& model) {
+    model->forward(x).square().sum().backward();  // the first micro-batch: .grad exists from here on
+    auto loss = model->forward(x).square().sum();
+    PeakScope scope(torch::kCPU);
+    loss.backward();
+    return scope.peak() - scope.start();
+  };
+  const int64_t without = backward_peak(plain), with = backward_peak(piece);
+  std::cout << "a later micro-batch's backward: " << without << " bytes above its start without "
+            << "checkpointing, " << with << " with\n";
+  const int64_t weight = 512 * 512 * 4;
+  EXPECT_GE(without, weight);  // one weight's gradient in flight
+  EXPECT_LT(without, 2 * weight);
+  EXPECT_LT(with, without + weight / 8);  // beside it only the recomputed activations (2 rows)
+  expect_bit_identical(grads_of(plain->parameters()), grads_of(wrapped->parameters()));
+}
+
+/// Counts the runs of a gradient accumulator, and fails on a run without a gradient (where
+/// DistributedDataParallel's hook, which marks a gradient ready, would count one twice).
+struct CountGradients : torch::autograd::FunctionPostHook {
+  explicit CountGradients(int* count) : count(count) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    EXPECT_TRUE(!inputs.empty() && inputs[0].defined()) << "an accumulator ran without a gradient";
+    ++*count;
+    return outputs;
+  }
+  int* count;
+};
+
+TEST(Checkpoint, ParameterHooksSeeEachGradientOnceAsWithoutCheckpointing) {
+  // A hook on a parameter (here one that doubles its gradient) runs once per backward, on the gradient;
+  // so does a hook on another parameter's gradient accumulator. Two micro-batches: the second backward adds
+  // to the gradients the first left.
+  for (int64_t segments : {1, 3, 5}) {
+    SCOPED_TRACE(segments);
+    auto [plain, wrapped] = twins(mlp);
+    int hooks[2] = {0, 0}, accumulated[2] = {0, 0};
+    std::vector<compat::NodeRef> accumulators;  // a post hook lives with its node
+    auto watch = [&](tnn::Sequential& net, int side) {
+      net->parameters()[0].register_hook([&hooks, side](const torch::Tensor& grad) {
+        ++hooks[side];
+        return grad * 2;
+      });
+      accumulators.push_back(torch::autograd::impl::grad_accumulator(net->parameters()[2]));
+      accumulators.back()->add_post_hook(std::make_unique<CountGradients>(&accumulated[side]));
+    };
+    watch(plain, 0);
+    watch(wrapped, 1);
+    auto net = checkpoint_sequential(wrapped, segments);
+    const auto a = torch::randn({16, 32}), b = torch::randn({16, 32});
+    expect_bit_identical(accumulate_two(plain, a, b, sum_squares), accumulate_two(net, a, b, sum_squares));
+    EXPECT_EQ(hooks[0], 2);
+    EXPECT_EQ(hooks[1], 2);
+    EXPECT_EQ(accumulated[0], 2);
+    EXPECT_EQ(accumulated[1], 2);
+  }
+}
+
+TEST(Checkpoint, TheBackwardLetsGoOfTheRecomputedOutputAndItsGradientAsWithoutCheckpointing) {
+  install_meter();
+  // A piece of four 4 MiB steps; the loss squares its output, so the output's gradient is 4 MiB too. Held to
+  // the end of the piece's backward, the output and its gradient would be there when the gradient of the
+  // piece's first step arrives, 8 MiB beside what the backward without checkpointing has then. With a
+  // parameter the piece adds its gradient to .grad itself; without one it hands the input's gradient back.
+  const int64_t rows = 4096, width = 256, bytes = rows * width * 4;
+  for (bool with_parameter : {false, true}) {
+    SCOPED_TRACE(with_parameter);
+    torch::manual_seed(3);
+    const auto x = torch::randn({rows, width}, torch::requires_grad());
+    const auto w = torch::randn({width}, torch::requires_grad(with_parameter));
+    int64_t at_first_step = 0;  // bytes in use when the gradient of the first step's result is ready
+    const CheckpointFunction piece = [&](at::TensorList in) {
+      torch::Tensor scaled = in[0] * w;
+      scaled.register_hook([&](const torch::Tensor&) { at_first_step = memory_stats(torch::kCPU).current; });
+      return std::vector<torch::Tensor>{scaled.tanh().tanh().tanh()};
+    };
+    auto in_use = [&](bool checkpointed) {
+      x.mutable_grad().reset();
+      w.mutable_grad().reset();
+      const int64_t before = memory_stats(torch::kCPU).current;
+      const auto y = checkpointed ? checkpoint(piece, {x})[0] : piece({x})[0];
+      y.square().sum().backward();
+      return at_first_step - before;
+    };
+    const int64_t plain = in_use(false), recomputed = in_use(true);
+    std::cout << "in use when the first step's gradient is ready: " << plain
+              << " bytes without checkpointing, " << recomputed << " with\n";
+    EXPECT_GE(plain, bytes);  // that gradient
+    EXPECT_LT(recomputed, plain + bytes / 4);
+  }
 }
 
 TEST(Checkpoint, CapturedLeafTensorsGetTheirGradients) {

@@ -1,4 +1,5 @@
 #include <memsave/accumulate.h>
+#include <memsave/checkpoint.h>
 #include <memsave/memory.h>
 #include <memsave/offload.h>
 #include <memsave/optim.h>
@@ -354,6 +355,30 @@ TEST(Offload, SteppingDuringTheBackwardGivesTheSameParameters) {
     EXPECT_EQ(opt.last_step_copies().at_step, 0);
     expect_same_parameters(at_step, during);
   }
+}
+
+TEST(Offload, SteppingDuringTheBackwardOfACheckpointedModel) {
+  // A recomputed piece adds its parameters' gradients during its own backward: they are copied and stepped
+  // from there, and the piece's backward then hands the outer backward nothing more for them.
+  auto at_step = model(), during = model();
+  auto checkpointed = nn::checkpoint_sequential(during, 3);
+  OffloadOptimizer reference(at_step->parameters(), OffloadOptimizerOptions(1e-3).state_bits(8));
+  OffloadOptimizer opt(during->parameters(),
+                       OffloadOptimizerOptions(1e-3).state_bits(8).step_during_backward(true));
+  torch::manual_seed(42);
+  for (int s = 0; s < 6; ++s) {
+    const auto x = torch::randn({32, 64}), y = torch::randint(8, {32});
+    reference.zero_grad();
+    F::cross_entropy(at_step->forward(x), y).backward();
+    reference.step();
+    opt.zero_grad();
+    F::cross_entropy(checkpointed->forward(x), y).backward();
+    opt.step();
+  }
+  EXPECT_EQ(opt.last_step_copies().stepped_during_backward,
+            static_cast<int64_t>(during->parameters().size()));
+  EXPECT_EQ(opt.last_step_copies().at_step, 0);
+  expect_same_parameters(at_step, during);
 }
 
 TEST(Offload, SteppingDuringTheBackwardUnderAccumulationNeedsDeferredCopies) {

@@ -16,6 +16,15 @@
 // instead of staying until the autocast region ends (torch.utils.checkpoint keeps them there: 2 bytes per
 // element of each cast weight, through the rest of the forward); a weight used twice inside one piece is
 // cast twice.
+//
+// Memory in the backward: a recomputed piece lets go of its recomputed outputs and of their gradients as the
+// backward without checkpointing does, once its graph no longer needs them (not at the end of the piece). Under
+// a plain `backward()` it also adds its parameters' gradients to `.grad` as they arrive, so a later
+// micro-batch's gradients are added one by one. Where that could change the result or a hook's calls it hands
+// them back together at the end of the piece instead, to be added there (at most one piece's parameter
+// gradients held at once): when a graph node outside the piece also uses a parameter (a tied weight), under
+// `torch::autograd::grad` or `create_graph`, when a parameter or its gradient accumulator has a hook, or when
+// something other than memsave holds the accumulator (DistributedDataParallel does).
 #pragma once
 
 #include <torch/nn/module.h>

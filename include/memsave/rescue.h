@@ -56,8 +56,7 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
 /// state (by optimizer and bits) and batch, and from training passes run element by element (fp32 and under
 /// autocast, at two sizes of the batch — of half of it, and so on, when the device cannot hold that) each
 /// element's stored activations, forward peak, backward peak and, onto existing gradients, what its arriving
-/// gradients add, and, holding its output and that output's gradient through its backward, what a
-/// recomputation adds; and the optimizer step's temporaries. A recipe's pass is simulated by walking the
+/// gradients add; and the optimizer step's temporaries. A recipe's pass is simulated by walking the
 /// backward through its checkpoint plan, bytes scaled to the micro-batch's rows.
 class MemoryModel {
  public:
@@ -87,9 +86,6 @@ class MemoryModel {
     std::vector<double> backward, backward_fixed;
     /// with the gradients already there (a later micro-batch): what an element's backward adds beside them
     std::vector<double> incoming;
-    /// what holding an element's output and the gradient of its output through its backward (as a
-    /// recomputed piece does for its last element's) adds to the backward's peak, per row
-    std::vector<double> holding;
     /// bytes of parameter gradients present once element i's backward has run (i = elements: none)
     std::vector<double> grads;
     /// whether an element's output is still there when its backward begins (its own graph keeps it)
@@ -111,7 +107,10 @@ class MemoryModel {
   Activations fp32_, amp_;
   int64_t step_extra_ = 0;   ///< the optimizer step's temporaries beyond its state
   int64_t piece_state_ = 0;  ///< what a checkpointed piece keeps beside its input and output
-  int64_t moments_ = 2;      ///< fp32 state tensors per parameter of the setup's optimizer
+  /// per element: the first and the last element that use one of its parameters (itself, for a parameter of
+  /// its own or none)
+  std::vector<size_t> shares_from_, shares_to_;
+  int64_t moments_ = 2;  ///< fp32 state tensors per parameter of the setup's optimizer
 };
 
 struct RescueOptions {
