@@ -18,8 +18,8 @@
 // cast twice.
 //
 // Memory in the backward: a recomputed piece lets go of its recomputed outputs and of their gradients as the
-// backward without checkpointing does, once its graph no longer needs them (not at the end of the piece). Under
-// a plain `backward()` it also adds its parameters' gradients to `.grad` as they arrive, so a later
+// backward without checkpointing does, once its graph no longer needs them (not at the end of the piece).
+// Under a plain `backward()` it also adds its parameters' gradients to `.grad` as they arrive, so a later
 // micro-batch's gradients are added one by one. Where that could change the result or a hook's calls it hands
 // them back together at the end of the piece instead, to be added there (at most one piece's parameter
 // gradients held at once): when a graph node outside the piece also uses a parameter (a tied weight), under
