@@ -17,6 +17,9 @@ std::string lower(std::string s) {
   return s;
 }
 
+/// The units parse_bytes reads, as error messages name them.
+constexpr const char* kValidUnits = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB";
+
 }  // namespace
 
 int64_t parse_bytes(const std::string& text) {
@@ -38,8 +41,8 @@ int64_t parse_bytes(const std::string& text) {
     ++i;
     while (i < text.size() && std::isdigit(static_cast<unsigned char>(text[i]))) ++i, digits = true;
   }
-  TORCH_CHECK(digits, "invalid size '", text,
-              "': expected a non-negative number with an optional unit (B, kB, MB, GB, KiB, MiB, GiB)");
+  TORCH_CHECK(digits, "invalid size '", text, "': expected a non-negative number with an optional unit (",
+              kValidUnits, ")");
   const std::string number = text.substr(number_begin, i - number_begin);
   while (i < text.size() && std::isspace(static_cast<unsigned char>(text[i]))) ++i;
   size_t unit_end = text.size();
@@ -58,7 +61,7 @@ int64_t parse_bytes(const std::string& text) {
                 "iB (powers of 1024)");
   }
   TORCH_CHECK(scale > 0, "invalid size '", text, "': unknown unit '", text.substr(i, unit_end - i),
-              "' (valid: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)");
+              "' (valid: ", kValidUnits, ")");
 
   const long double bytes = std::strtold(number.c_str(), nullptr) * scale;
   TORCH_CHECK(bytes < static_cast<long double>(std::numeric_limits<int64_t>::max()), "invalid size '", text,

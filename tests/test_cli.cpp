@@ -105,8 +105,11 @@ TEST(Cli, UnknownModelListsTheValidOnesWithExitCode2) {
 TEST(Cli, BadOptionsExitWith2) {
   EXPECT_EQ(invoke("report --bogus").code, 2);
   EXPECT_EQ(invoke("report --optimizer lamb").code, 2);
-  EXPECT_EQ(invoke("report --batch -3").code, 2);
-  EXPECT_EQ(invoke("report --batch 0").code, 2);
+  for (const char* batch : {"-3", "0"}) {
+    const Result r = invoke(std::string("report --batch ") + batch);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_TRUE(contains(r.output, std::string("--batch must be > 0, got ") + batch)) << r.output;
+  }
   EXPECT_EQ(invoke("frobnicate").code, 2);
   EXPECT_EQ(invoke("").code, 2);
   EXPECT_EQ(invoke("--help").code, 0);
@@ -264,6 +267,26 @@ TEST(Cli, BenchTableKeepsItsColumnsForLabelsLongerThanTheDefaultWidth) {
     EXPECT_EQ(line[end], ' ') << r.output;
   }
   EXPECT_EQ(rows, 2) << r.output;
+}
+
+TEST(Cli, BenchRejectsABadRecipeListOrPlotBeforeRunningAnything) {
+  const struct {
+    const char* args;
+    const char* why;
+  } cases[] = {
+      {"--recipes ''", "--recipes names no recipe"},
+      {"--recipes ,,", "unknown recipe ''"},
+      {"--recipes baseline,warp-drive", "unknown recipe 'warp-drive'"},
+      {"--recipes baseline --plot peaks.txt", "must end in .png or .svg"},
+      {"--recipes baseline --plot /nonexistent-memsave-folder/peaks.png",
+       "cannot write into the folder '/nonexistent-memsave-folder'"},
+  };
+  for (const auto& c : cases) {
+    const Result r = invoke(std::string("bench --model mlp --batch 8 --steps 2 ") + c.args);
+    EXPECT_EQ(r.code, 2) << c.args << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, c.why)) << c.args << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "memsave bench:")) << "a recipe ran:\n" << r.output;
+  }
 }
 
 TEST(Cli, BenchPlotsValidPngAndSvg) {

@@ -34,12 +34,12 @@ void expect_rejected(const std::string& text, const std::string& why) {
 }
 
 TEST(ParseBytes, RejectsMalformedSizesWithAReason) {
-  expect_rejected("-3", "non-negative number");
+  expect_rejected("-3", "non-negative number with an optional unit (B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)");
   expect_rejected("", "non-negative number");
   expect_rejected("abc", "non-negative number");
   expect_rejected("12G", "ambiguous");
   expect_rejected("3k", "ambiguous");
-  expect_rejected("12 parsecs", "unknown unit");
+  expect_rejected("12 parsecs", "unknown unit 'parsecs' (valid: B, kB, MB, GB, TB, KiB, MiB, GiB, TiB)");
   expect_rejected("1e9", "unknown unit");
   expect_rejected("0.3B", "whole number");
   expect_rejected("99999999999TB", "too large");

@@ -53,9 +53,7 @@ int main(int argc, char** argv) {
   report_cmd->add_option("--model", report.model, "Model from the zoo")
       ->check(CLI::IsMember(memsave::zoo::workload_names()))
       ->capture_default_str();
-  report_cmd->add_option("--batch", report.batch, "Batch size")
-      ->check(CLI::PositiveNumber)
-      ->capture_default_str();
+  report_cmd->add_option("--batch", report.batch, "Batch size")->capture_default_str();
   report_cmd->add_option("--optimizer", report.optimizer, "Optimizer")
       ->check(CLI::IsMember(memsave::cli::optimizer_names()))
       ->capture_default_str();
@@ -137,7 +135,10 @@ int main(int argc, char** argv) {
       report.budget = memsave::parse_bytes(budget);
       TORCH_CHECK(*report.budget > 0, "--budget must be positive, got '", budget, "'");
     }
-    if (report_cmd->parsed()) return report_command(report, json);
+    if (report_cmd->parsed()) {
+      TORCH_CHECK(report.batch > 0, "--batch must be > 0, got ", report.batch);
+      return report_command(report, json);
+    }
     if (rescue_cmd->parsed()) {
       const int64_t budget_bytes = memsave::parse_bytes(rescue_budget);
       TORCH_CHECK(budget_bytes > 0, "--budget must be positive, got '", rescue_budget, "'");
@@ -170,6 +171,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(bench_batch > 0, "--batch must be > 0, got ", bench_batch);
       TORCH_CHECK(bench_steps >= 2, "--steps must be >= 2, got ", bench_steps);
       TORCH_CHECK(!(bench_json && bench_csv), "--json and --csv exclude each other");
+      if (!bench_plot.empty()) memsave::cli::check_plot(bench_plot);
       const auto rows = memsave::cli::run_bench(bench_model, bench_batch, bench_recipes, bench_steps,
                                                 parse_device(bench_device),
                                                 !bench_json && !bench_csv && isatty(STDERR_FILENO));

@@ -8,10 +8,14 @@
 #include <torch/torch.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/wait.h>
+#include <unistd.h>
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -270,17 +274,18 @@ std::vector<BenchRow> run_bench(const std::string& model, int64_t batch, const s
   if (names == "all") {
     chosen = known;
   } else {
+    std::string valid;
+    for (const auto& k : known) valid += (valid.empty() ? "" : ", ") + k.first;
     std::stringstream list(names);
     std::string name;
     while (std::getline(list, name, ',')) {
       auto it = std::find_if(known.begin(), known.end(), [&](const auto& k) { return k.first == name; });
-      if (it == known.end()) {
-        std::string valid;
-        for (const auto& k : known) valid += (valid.empty() ? "" : ", ") + k.first;
-        TORCH_CHECK(false, "unknown recipe '", name, "' (valid: all, ", valid, ")");
-      }
+      TORCH_CHECK(it != known.end(), "--recipes: unknown recipe '", name,
+                  "' (--recipes takes all, or a comma-separated list of: ", valid, ")");
       chosen.push_back(*it);
     }
+    TORCH_CHECK(!chosen.empty(), "--recipes names no recipe, got '", names,
+                "' (--recipes takes all, or a comma-separated list of: ", valid, ")");
   }
   const TrainingSetup setup = zoo::training_setup(model);
   std::vector<BenchRow> rows;
@@ -415,13 +420,24 @@ std::string bench_csv(const std::vector<BenchRow>& rows) {
   return out.str();
 }
 
-void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
-                const std::string& path) {
+void check_plot(const std::string& path) {
   const bool svg = path.size() > 4 && path.substr(path.size() - 4) == ".svg";
   TORCH_CHECK(svg || (path.size() > 4 && path.substr(path.size() - 4) == ".png"),
               "--plot: the file must end in .png or .svg, got '", path, "'");
+  TORCH_CHECK(path.find('\'') == std::string::npos, "--plot: the path must not contain a quote, got '", path,
+              "'");
+  const auto slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  TORCH_CHECK(access(dir.c_str(), W_OK | X_OK) == 0, "--plot: cannot write into the folder '", dir, "' of '",
+              path, "': ", std::strerror(errno));
   TORCH_CHECK(std::system("command -v gnuplot >/dev/null 2>&1") == 0,
               "--plot needs gnuplot (Debian: apt-get install gnuplot-nox)");
+}
+
+void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                const std::string& path) {
+  check_plot(path);
+  const bool svg = path.substr(path.size() - 4) == ".svg";
   const std::string data = path + ".dat", script = path + ".gp";
   {
     std::ofstream d(data);
@@ -441,7 +457,8 @@ void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int
   const int status = std::system(("gnuplot '" + script + "' 2>&1").c_str());
   std::remove(data.c_str());
   std::remove(script.c_str());
-  TORCH_CHECK(status == 0, "--plot: gnuplot failed (exit ", status, ")");
+  TORCH_CHECK(status == 0, "--plot: gnuplot could not draw '", path, "' (exit status ",
+              WIFEXITED(status) ? WEXITSTATUS(status) : status, ")");
 }
 
 }  // namespace memsave::cli
