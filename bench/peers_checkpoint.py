@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The Python peer of bench_checkpoint.cpp: torch.utils.checkpoint on the same architectures (the zoo's gpt-12l
-and ResNet-50), the same settings (torch.autocast for the bf16 ones), batch and threads. Memory is counted by
-memsave's own meter, loaded into this process with ctypes (build/bench/libmemsave_pymeter.so installs the
+"""The Python peer of bench_checkpoint.cpp: torch.utils.checkpoint on the same architectures (the zoo's
+gpt-12l and ResNet-50), the same settings (torch.autocast for the bf16 ones), batch and threads, and one more:
+the sqrt(n) segments cut where memsave's checkpoint_sequential cuts them. Memory is counted by memsave's own
+meter, loaded into this process with ctypes (build/bench/libmemsave_pymeter.so installs the
 counting CPU allocator in the LibTorch this Python imported), so both columns come from the same counter.
 
 Prints one JSON object per line, as the C++ benchmark. Called by bench/run_checkpoint_bench.sh:
@@ -130,6 +131,19 @@ def make_forward(model, elements, setting):
     if setting == "sqrt(n) segments":
         segments = round(math.sqrt(n))
         return net, lambda x: checkpoint_sequential(net, segments, x, use_reentrant=False)
+    if setting == "sqrt(n) segments, memsave's cut":
+        # checkpoint_sequential cuts pieces 1..k-1 of n // k elements and gives the last the rest; memsave's
+        # cuts piece i at [i * n // k, (i + 1) * n // k). Its cut here tells the cut from the implementation.
+        segments = round(math.sqrt(n))
+        bounds = [i * n // segments for i in range(segments + 1)]
+        pieces = [nn.Sequential(*modules[bounds[i]:bounds[i + 1]]) for i in range(segments)]
+
+        def forward_cut(x):
+            for i, piece in enumerate(pieces):
+                x = checkpoint(piece, x, use_reentrant=False) if i + 1 < segments else piece(x)
+            return x
+
+        return net, forward_cut
     if setting in ("every layer", "bf16, every layer"):
         recompute = [True] * (n - 1) + [False]  # as checkpoint_sequential: the last one is needed at once
     else:
@@ -178,7 +192,8 @@ def run(model, batch, setting):
 
 
 for model, batch in [("gpt-12l", 8), ("resnet50", 8)]:
-    for setting in ["none", "every layer", "sqrt(n) segments", "per-layer policy", "bf16", "bf16, every layer"]:
+    for setting in ["none", "every layer", "sqrt(n) segments", "sqrt(n) segments, memsave's cut",
+                    "per-layer policy", "bf16", "bf16, every layer"]:
         activations, seconds, forward_seconds = run(model, batch, setting)
         print(json.dumps({"impl": "torch.utils.checkpoint", "model": model, "batch": batch, "setting": setting,
                           "activations": activations, "seconds": seconds, "forward_seconds": forward_seconds,

@@ -129,9 +129,12 @@ TORCH_MODULE(CheckpointSequential);
 /// of checkpoint_sequential(sequential, segments).
 std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments);
 
-/// Cuts `sequential` into `segments` contiguous pieces of near-equal length. Every piece but the last is
-/// recomputed; the last is stored, since backward needs its activations at once (as torch.utils.checkpoint's
-/// checkpoint_sequential). `segments` equal to the number of elements recomputes every layer.
+/// Cuts `sequential` into `segments` contiguous pieces of near-equal length: piece i holds elements
+/// [i*n/segments, (i+1)*n/segments). Every piece but the last is recomputed; the last is stored, since
+/// backward needs its activations at once (as torch.utils.checkpoint's checkpoint_sequential, which cuts
+/// elsewhere: n/segments elements in each piece but the last, which takes the rest; 27 elements in 5 pieces
+/// are 5,5,6,5,6 here and 5,5,5,5,7 there). `segments` equal to the number of elements recomputes every
+/// layer.
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
                                            CheckpointOptions options = {});
 /// Keeps the elements for which `keep` is true, and recomputes each run of consecutive other elements as one
