@@ -1,7 +1,10 @@
 #include "autograd_graph.h"
 
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace memsave::detail {
 namespace {
@@ -17,6 +20,34 @@ std::unordered_map<const torch::autograd::Node*, int64_t>& held() {
 }
 
 }  // namespace
+
+GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_node) {
+  GraphSince graph;
+  std::unordered_set<const torch::autograd::Node*> seen;
+  std::vector<const torch::autograd::Node*> stack;
+  for (const at::Tensor& out : outputs)
+    if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
+  while (!stack.empty()) {
+    const torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(node)) {
+      graph.leaves.push_back(leaf->variable);
+      continue;
+    }
+    if (node->sequence_nr() < first_node) {
+      if (graph.outside == nullptr) graph.outside = node;
+      continue;
+    }
+    for (const torch::autograd::Edge& edge : node->next_edges()) {
+      if (!edge.function) continue;
+      if (dynamic_cast<const torch::autograd::AccumulateGrad*>(edge.function.get()))
+        ++graph.edges_into[edge.function.get()];
+      stack.push_back(edge.function.get());
+    }
+  }
+  return graph;
+}
 
 int64_t times_held(const torch::autograd::Node* node) {
   std::lock_guard<std::mutex> lock(held_mutex());

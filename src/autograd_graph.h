@@ -1,4 +1,4 @@
-// What memsave reads of autograd graphs: a walk over the nodes behind some outputs, and the nodes memsave
+// What memsave reads of autograd graphs: the graph a piece of a forward built, and the nodes memsave
 // itself keeps alive (src/offload.cpp holds parameters' gradient accumulators; src/checkpoint.cpp subtracts
 // those references when it counts who else uses a parameter).
 #pragma once
@@ -10,28 +10,22 @@
 #include <torch/csrc/autograd/function_hook.h>
 
 #include <cstdint>
-#include <unordered_set>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
 namespace memsave::detail {
 
-/// Calls `visit(node)` once for each node of the graph behind `outputs`, depth first; the walk goes on to
-/// the nodes a node's edges lead to where `visit` returns true.
-template <typename Visit>
-void walk_graph(const std::vector<at::Tensor>& outputs, Visit&& visit) {
-  std::unordered_set<const torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  for (const at::Tensor& out : outputs)
-    if (out.defined() && out.grad_fn()) stack.push_back(out.grad_fn().get());
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second || !visit(*node)) continue;
-    for (const torch::autograd::Edge& edge : node->next_edges())
-      if (edge.function) stack.push_back(edge.function.get());
-  }
-}
+/// The graph behind `outputs` from its nodes made from `first_node` on (what one piece of a forward built):
+/// the leaves it reaches (the variables of gradient accumulators, each once, in the order found), how many of
+/// its nodes' edges lead into each accumulator, and the first node made before `first_node` that it reaches
+/// (nullptr: none), where the walk stops.
+struct GraphSince {
+  std::vector<at::Tensor> leaves;
+  std::unordered_map<const torch::autograd::Node*, int64_t> edges_into;
+  const torch::autograd::Node* outside = nullptr;
+};
+GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_node);
 
 /// A post hook on a parameter's gradient accumulator that does nothing when the accumulator runs without a
 /// gradient, as it does in the outer backward after a checkpointed piece added the gradient in its own

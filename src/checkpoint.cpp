@@ -22,7 +22,6 @@
 #include <memory>
 #include <mutex>
 #include <ostream>
-#include <unordered_map>
 #include <unordered_set>
 #include <utility>
 
@@ -195,26 +194,20 @@ void check_recompute(const Recompute& r, const std::vector<at::Tensor>& outputs)
   }
 }
 
-/// The leaves that require grad in the graph behind `outputs`, other than `inputs`: the parameters the
-/// function used, each once, whether or not the module that registers them is known. A graph node made before
-/// `first_node` (a tensor computed outside the function and captured by it) is an error: its gradient would
-/// be lost, and the recomputation would differentiate through the caller's graph.
-std::vector<at::Tensor> leaves_behind(const std::vector<at::Tensor>& outputs,
-                                      const std::vector<at::Tensor>& inputs, uint64_t first_node) {
+/// The leaves that require grad in a piece's graph, other than `inputs`: the parameters the function used,
+/// each once, whether or not the module that registers them is known. A graph node made before the piece (a
+/// tensor computed outside the function and captured by it) is an error: its gradient would be lost, and the
+/// recomputation would differentiate through the caller's graph.
+std::vector<at::Tensor> leaves_behind(const detail::GraphSince& graph,
+                                      const std::vector<at::Tensor>& inputs) {
+  TORCH_CHECK(graph.outside == nullptr, "checkpoint: the function uses a tensor that requires grad and ",
+              "was computed outside it (by ", graph.outside ? graph.outside->name() : std::string(),
+              "); its gradient would be lost. Pass it as one of the inputs");
   std::unordered_set<const c10::TensorImpl*> known;
   for (const at::Tensor& t : inputs) known.insert(t.unsafeGetTensorImpl());
   std::vector<at::Tensor> leaves;
-  detail::walk_graph(outputs, [&](const torch::autograd::Node& node) {
-    if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(&node)) {
-      if (known.insert(leaf->variable.unsafeGetTensorImpl()).second) leaves.push_back(leaf->variable);
-      return false;
-    }
-    TORCH_CHECK(node.sequence_nr() >= first_node,
-                "checkpoint: the function uses a tensor that requires grad and ",
-                "was computed outside it (by ", node.name(),
-                "); its gradient would be lost. Pass it as one of the inputs");
-    return true;
-  });
+  for (const at::Tensor& leaf : graph.leaves)
+    if (!known.count(leaf.unsafeGetTensorImpl())) leaves.push_back(leaf);
   return leaves;
 }
 
@@ -224,24 +217,12 @@ std::vector<at::Tensor> leaves_behind(const std::vector<at::Tensor>& outputs,
 /// instead of handing them back together at the end of the piece (which holds a piece's parameter gradients
 /// at once while earlier gradients accumulate). A parameter's accumulator is referenced by one edge of every
 /// graph node that uses the parameter, alive until that backward ends: counting those of the recomputed graph
-/// behind `outputs` (its nodes from `first_node` on), the piece's own edge and the references memsave holds
-/// (detail::HeldNode) must give all of them.
+/// (`graph`), the piece's own edge and the references memsave holds (detail::HeldNode) must give all of them.
 /// Any other use (a weight shared with another piece, or outside any) keeps the gradients handed back, so
 /// that they are summed in the order the backward without checkpointing sums them.
-bool accumulates_here(const std::vector<at::Tensor>& parameters, const std::vector<at::Tensor>& outputs,
-                      uint64_t first_node) {
+bool accumulates_here(const std::vector<at::Tensor>& parameters, const detail::GraphSince& graph) {
   const auto* exec_info = torch::autograd::get_current_graph_task_exec_info();
   if (parameters.empty() || exec_info == nullptr || !exec_info->empty()) return false;
-  std::unordered_map<const torch::autograd::Node*, int64_t>
-      edges;  // into accumulators, from the recomputation
-  detail::walk_graph(outputs, [&](const torch::autograd::Node& node) {
-    if (dynamic_cast<const torch::autograd::AccumulateGrad*>(&node) || node.sequence_nr() < first_node)
-      return false;
-    for (const torch::autograd::Edge& edge : node.next_edges())
-      if (dynamic_cast<const torch::autograd::AccumulateGrad*>(edge.function.get()))
-        ++edges[edge.function.get()];
-    return true;
-  });
   for (const at::Tensor& p : parameters) {
     const compat::NodeRef accumulator = torch::autograd::impl::try_get_grad_accumulator(p);
     // NOTE: the outer backward still runs the accumulator, with no gradient: a hook on the parameter, or on
@@ -250,8 +231,8 @@ bool accumulates_here(const std::vector<at::Tensor>& parameters, const std::vect
       return false;
     for (const auto& hook : accumulator->post_hooks())
       if (!dynamic_cast<const detail::ToleratesNoGradient*>(hook.get())) return false;
-    const auto it = edges.find(accumulator.get());
-    const int64_t explained = 1 + 1 + (it == edges.end() ? 0 : it->second) +
+    const auto it = graph.edges_into.find(accumulator.get());
+    const int64_t explained = 1 + 1 + (it == graph.edges_into.end() ? 0 : it->second) +
                               detail::times_held(accumulator.get());  // this, the piece
     if (static_cast<int64_t>(accumulator.use_count()) != explained) return false;
   }
@@ -372,7 +353,8 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     std::vector<at::Tensor> targets;
     for (size_t i = 0; i < inputs.size(); ++i)
       if (r->input_requires_grad[i]) targets.push_back(inputs[i]);
-    const std::vector<at::Tensor> extra = leaves_behind(differentiated, inputs, first_node);
+    const detail::GraphSince graph = detail::graph_since(outputs, first_node);
+    const std::vector<at::Tensor> extra = leaves_behind(graph, inputs);
     std::unordered_set<const c10::TensorImpl*> parameters;
     for (const at::Tensor& p : r->parameters) parameters.insert(p.unsafeGetTensorImpl());
     for (const at::Tensor& leaf : extra)
@@ -382,7 +364,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
                   "compute the same thing twice)");
     targets.insert(targets.end(), r->parameters.begin(), r->parameters.end());
     const bool accumulate =
-        !create_graph && !differentiated.empty() && accumulates_here(r->parameters, outputs, first_node);
+        !create_graph && !differentiated.empty() && accumulates_here(r->parameters, graph);
 
     // The recomputed backward starts from the outputs' gradient edges. The outputs and their gradients (the
     // seeds) then go as the backward lets go of them, as without checkpointing, instead of staying to the end
@@ -478,7 +460,7 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
     NoCastCache no_cache;
     outputs = run(fn, leaves);
   }
-  r->parameters = leaves_behind(outputs, leaves, first_node);
+  r->parameters = leaves_behind(detail::graph_since(outputs, first_node), leaves);
   for (const at::Tensor& p : r->parameters)
     TORCH_CHECK(
         !r->rng || !p.is_cuda() ||

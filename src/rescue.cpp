@@ -9,7 +9,6 @@
 
 #include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
@@ -145,13 +144,8 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   std::vector<std::vector<const c10::TensorImpl*>> used;
   auto parameters_used = [](const torch::Tensor& out, uint64_t first_node) {
     std::vector<const c10::TensorImpl*> leaves;
-    detail::walk_graph({out}, [&](const torch::autograd::Node& node) {
-      if (const auto* leaf = dynamic_cast<const torch::autograd::AccumulateGrad*>(&node)) {
-        leaves.push_back(leaf->variable.unsafeGetTensorImpl());
-        return false;
-      }
-      return node.sequence_nr() >= first_node;
-    });
+    for (const at::Tensor& leaf : detail::graph_since({out}, first_node).leaves)
+      leaves.push_back(leaf.unsafeGetTensorImpl());
     return leaves;
   };
   auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false) {
