@@ -8,7 +8,10 @@
 #include <c10/util/Exception.h>
 #include <torch/optim.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
@@ -206,6 +209,19 @@ std::optional<int64_t> get_budget(c10::Device device) {
   device = normalize(device);
   std::lock_guard<std::mutex> lock(meters_mutex());
   return meter(device).budget;
+}
+
+int64_t host_memory_available() {
+  // MemAvailable counts the page cache the kernel would drop; free pages alone (sysconf) undercount it.
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char line[128];
+    long long kib = -1;
+    while (std::fgets(line, sizeof line, f) != nullptr)
+      if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
+    std::fclose(f);
+    if (kib >= 0) return static_cast<int64_t>(kib) * 1024;
+  }
+  return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
 }
 
 ScopedBudget::ScopedBudget(c10::Device device, int64_t bytes)

@@ -31,6 +31,27 @@ std::vector<nn::CheckpointSequentialImpl::Segment> pieces(const Checkpointing& c
   return nn::even_segments(n, k);
 }
 
+/// On the CPU the device pool is host memory: the bytes a measuring run may add to it before an allocation
+/// ends the run as an out-of-memory (nine tenths of what the host can still provide, leaving room for what
+/// LibTorch allocates outside the pool). No bound on other devices, whose pools have their own end.
+std::optional<int64_t> host_room(c10::Device device) {
+  if (!device.is_cpu()) return std::nullopt;
+  return host_memory_available() / 10 * 9;
+}
+
+/// Bounds `device`'s pool at `current + room` while open, unless a tighter budget is already in force.
+class BoundedRun {
+ public:
+  BoundedRun(c10::Device device, std::optional<int64_t> room) {
+    if (!room) return;
+    const int64_t limit = memory_stats(device).current + *room;
+    if (const auto outer = get_budget(device); !outer || limit < *outer) bound_.emplace(device, limit);
+  }
+
+ private:
+  std::optional<ScopedBudget> bound_;
+};
+
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -61,6 +82,7 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
   {
     std::optional<ScopedBudget> bound;
     if (budget) bound.emplace(device, before + *budget);
+    const BoundedRun host(device, host_room(device));
     PeakScope scope(device);
     try {
       torch::manual_seed(0);
@@ -91,6 +113,7 @@ MemoryModel MemoryModel::profile(const TrainingSetup& setup, int64_t batch, c10:
               "MemoryModel: the training setup is incomplete (model, batch, loss and optimizer factories)");
   TORCH_CHECK(batch > 0, "MemoryModel: batch must be > 0, got ", batch);
   // The whole batch when the device holds it; otherwise halves, scaled up linearly.
+  const BoundedRun host(device, host_room(device));
   for (int64_t rows = batch;; rows = (rows + 1) / 2) {
     try {
       return profile_rows(setup, batch, rows, device);
@@ -483,6 +506,13 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
               "rescue: tie must be a finite fraction >= 0, got ", options.tie());
   TORCH_CHECK(!options.device().is_cuda() || torch::cuda::is_available(), "rescue: device ", options.device(),
               " requested but no CUDA device is available");
+  if (const auto room = host_room(options.device()))
+    TORCH_CHECK(options.budget() <= *room, "rescue: budget ", format_bytes(options.budget()),
+                " is more than the CPU can measure: on the CPU the device is simulated in host memory, of "
+                "which this machine can provide ",
+                format_bytes(*room),
+                " now (nine tenths of what it has available); give a budget of at most "
+                "that, or run on a CUDA device");
   RescuePlan plan;
   const MemoryModel model = MemoryModel::profile(setup, options.batch(), options.device());
   plan.parameter_bytes = model.parameter_bytes();

@@ -139,6 +139,37 @@ TEST(Cli, ABudgetTooSmallIsAnOutOfMemoryWithExitCode3) {
   EXPECT_EQ(parsed["rows"].size(), 2u);
 }
 
+TEST(Cli, OnTheCpuABatchLargerThanTheHostIsAnOutOfMemoryNotAKill) {
+  // 10^10 rows of the mlp's 784 floats: 31 TB. Each command stops at the host's bound with an answer.
+  const char* huge = "--model mlp --batch 10000000000";
+  const Result report = invoke(std::string("report ") + huge);
+  EXPECT_EQ(report.code, 3) << report.output;
+  EXPECT_TRUE(contains(report.output, "out of memory during 'input batch on the device'")) << report.output;
+  EXPECT_TRUE(contains(report.output, "nine tenths of what this machine could provide")) << report.output;
+  const auto json = nlohmann::json::parse(invoke_stdout(std::string("report --json ") + huge).output);
+  EXPECT_GT(json["host_bound"].get<int64_t>(), 0);
+  EXPECT_EQ(json["error"]["kind"], "out of memory");
+
+  const std::string bench = std::string("bench ") + huge + " --recipes baseline,8bit --steps 2";
+  const Result table = invoke_stdout(bench);
+  EXPECT_EQ(table.code, 0) << table.output;
+  EXPECT_TRUE(contains(table.output, "out of mem")) << table.output;
+  EXPECT_TRUE(contains(table.output, "2 of 2 recipes ran out of memory and have no measurement (on the CPU"))
+      << table.output;
+  const Result j = invoke_stdout(bench + " --json");
+  ASSERT_EQ(j.code, 0) << j.output;
+  for (const auto& row : nlohmann::json::parse(j.output)["recipes"]) {
+    EXPECT_TRUE(row["out_of_memory"].get<bool>());
+    EXPECT_FALSE(row.contains("peak") || row.contains("seconds") || row.contains("peak_ratio")) << row;
+  }
+  EXPECT_TRUE(contains(invoke_stdout(bench + " --csv").output, "baseline,\"baseline\",,\n"));
+
+  const Result rescue = invoke("rescue --model mlp --batch 8 --budget 1024TiB");
+  EXPECT_EQ(rescue.code, 2) << rescue.output;
+  EXPECT_TRUE(contains(rescue.output, "budget 1024.00 TiB is more than the CPU can measure"))
+      << rescue.output;
+}
+
 TEST(Cli, CudaWithoutADeviceIsBadInput) {
   const Result r = invoke("report --model mlp --device cuda");
   if (r.code == 0) GTEST_SKIP() << "a CUDA device is present";
@@ -240,6 +271,7 @@ TEST(Cli, BenchJsonHasOneEntryPerRecipeWithTheDocumentedFields) {
     EXPECT_EQ(e["name"], names[i]);
     for (const char* field : {"recipe", "cpp", "peak", "seconds", "spread", "peak_ratio", "time_ratio"})
       EXPECT_TRUE(e.contains(field)) << field;
+    EXPECT_FALSE(e["out_of_memory"].get<bool>());
     EXPECT_EQ(e["spread"].get<double>(), 0);  // --steps 2: one timed step
     EXPECT_GT(e["peak"].get<int64_t>(), 0);
   }

@@ -1,5 +1,7 @@
 #include <memsave/memory.h>
 
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -113,6 +115,13 @@ TEST(Budget, ScopedBudgetRestoresThePreviousOne) {
   EXPECT_FALSE(get_budget(kCPU).has_value());
   EXPECT_NO_THROW(torch::empty({1 << 20}));
   EXPECT_THROW(set_budget(kCPU, -1), c10::Error);
+}
+
+TEST(HostMemory, AvailableIsPositiveAndAtMostThePhysicalMemory) {
+  const int64_t physical = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGESIZE);
+  const int64_t available = host_memory_available();
+  EXPECT_GT(available, 0);
+  EXPECT_LE(available, physical);
 }
 
 TEST(Budget, AnOutOfMemoryInsideAStepLeavesTheModelAsItWas) {

@@ -150,6 +150,35 @@ TEST(Rescue, BadOptionsAreErrors) {
   EXPECT_TRUE(none.candidates.empty());
 }
 
+TEST(Rescue, OnTheCpuARunLargerThanTheHostEndsAsAnOutOfMemoryNotAKill) {
+  const TrainingSetup setup = training_setup("mlp");
+  const int64_t before = memory_stats(torch::kCPU).current;
+  // 10^10 rows of 784 floats: 31 TB, refused by the pool's host bound before anything is touched
+  const Measurement huge = measure(setup, Recipe(), 10'000'000'000, torch::kCPU, 2);
+  EXPECT_TRUE(huge.out_of_memory);
+  EXPECT_EQ(huge.seconds, 0);
+  EXPECT_EQ(memory_stats(torch::kCPU).current, before);
+  EXPECT_FALSE(get_budget(torch::kCPU).has_value());  // the bound went with the run
+  EXPECT_FALSE(measure(setup, Recipe(), 8, torch::kCPU, 2).out_of_memory);
+  {
+    // A tighter budget already in force stays the bound.
+    ScopedBudget tight(torch::kCPU, before + (1 << 20));
+    EXPECT_TRUE(measure(setup, Recipe(), 8, torch::kCPU, 2).out_of_memory);
+    EXPECT_EQ(get_budget(torch::kCPU), before + (1 << 20));
+  }
+  // A rescue's budget is simulated in host memory, so it cannot be more than the host has.
+  const int64_t petabyte = int64_t{1} << 50;
+  try {
+    rescue(setup, RescueOptions(8, petabyte));
+    FAIL() << "a 1 PiB budget was accepted on the CPU";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("budget 1024.00 TiB is more than the CPU can measure"), std::string::npos)
+        << message;
+  }
+  EXPECT_GT(host_memory_available(), 0);
+}
+
 /// Every candidate of the checklist (micro-batches down to a quarter of the batch) predicted within 1% of its
 /// measured peak.
 void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch) {

@@ -27,6 +27,10 @@ int report_command(const memsave::cli::ReportOptions& options, bool json) {
     } else {
       std::cout << memsave::cli::format_table(report);
       std::cerr << "\nout of memory during '" << report.stage << "':\n" << e.what_without_backtrace() << "\n";
+      if (report.host_bound)
+        std::cerr << "(the device is simulated in host memory, and its pool was bounded at "
+                  << memsave::format_bytes(*report.host_bound)
+                  << ": nine tenths of what this machine could provide)\n";
     }
     return kOutOfMemory;
   }
@@ -162,9 +166,9 @@ int main(int argc, char** argv) {
     }
     if (estimate_cmd->parsed()) {
       TORCH_CHECK(estimate_batch > 0, "--batch must be > 0, got ", estimate_batch);
-      const auto rows =
-          memsave::cli::run_estimate(estimate_model, estimate_batch, parse_device(estimate_device), 2);
-      std::cout << memsave::cli::format_estimate(rows, estimate_model, estimate_batch);
+      const c10::Device device = parse_device(estimate_device);
+      const auto rows = memsave::cli::run_estimate(estimate_model, estimate_batch, device, 2);
+      std::cout << memsave::cli::format_estimate(rows, estimate_model, estimate_batch, device);
       return 0;
     }
     if (bench_cmd->parsed()) {
@@ -172,20 +176,22 @@ int main(int argc, char** argv) {
       TORCH_CHECK(bench_steps >= 2, "--steps must be >= 2, got ", bench_steps);
       TORCH_CHECK(!(bench_json && bench_csv), "--json and --csv exclude each other");
       if (!bench_plot.empty()) memsave::cli::check_plot(bench_plot);
-      const auto rows = memsave::cli::run_bench(bench_model, bench_batch, bench_recipes, bench_steps,
-                                                parse_device(bench_device),
+      const c10::Device device = parse_device(bench_device);
+      const auto rows = memsave::cli::run_bench(bench_model, bench_batch, bench_recipes, bench_steps, device,
                                                 !bench_json && !bench_csv && isatty(STDERR_FILENO));
       if (bench_json)
-        std::cout << memsave::cli::bench_json(rows, bench_model, bench_batch) << "\n";
+        std::cout << memsave::cli::bench_json(rows, bench_model, bench_batch, device) << "\n";
       else if (bench_csv)
         std::cout << memsave::cli::bench_csv(rows);
       else
-        std::cout << memsave::cli::format_bench(rows, bench_model, bench_batch);
+        std::cout << memsave::cli::format_bench(rows, bench_model, bench_batch, device);
       if (!bench_plot.empty()) memsave::cli::plot_bench(rows, bench_model, bench_batch, bench_plot);
       return 0;
     }
-  } catch (const c10::OutOfMemoryError&) {
-    throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    // What no run of a command could absorb (a model larger than the device, profiled on one row).
+    std::cerr << "memsave: " << e.what_without_backtrace() << "\n";
+    return kOutOfMemory;
   } catch (const c10::Error& e) {
     std::cerr << "memsave: " << e.what_without_backtrace() << "\n";
     return kBadInput;

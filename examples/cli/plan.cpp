@@ -69,6 +69,14 @@ std::string percent(double fraction) {
   return buf;
 }
 
+/// The note under a table with rows that ran out of memory: where the memory ended.
+std::string out_of_memory_where(c10::Device device) {
+  if (!device.is_cpu()) return " on " + device.str();
+  return " (on the CPU the device is simulated in host memory, and a run stops at nine tenths of what the "
+         "host can provide: about " +
+         format_bytes(host_memory_available() / 10 * 9) + " now)";
+}
+
 /// Timing noise (RescuePlan::noise) above which `bench` says its ratios are uncertain: in `memsave rescue`,
 /// this project's machine measures 1-3% quiet on gpt-tiny's steps (a tenth of a second), 18-56% on the mlp's
 /// (milliseconds), and 43-72% on gpt-tiny's beside one spinning process (bench/RESULTS-rescue.md).
@@ -78,6 +86,7 @@ constexpr double kNoisy = 0.10;
 double bench_noise(const std::vector<BenchRow>& rows) {
   std::vector<Candidate> measured;
   for (const BenchRow& r : rows) {
+    if (r.measured.out_of_memory) continue;
     Candidate c;
     c.status = Candidate::Status::kFits;
     c.measured = r.measured;
@@ -219,13 +228,16 @@ std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10:
     Estimate e;
     e.recipe = r;
     e.predicted = memory.predict(r);
-    e.measured = measure(setup, r, batch, device, steps).peak;
+    const Measurement m = measure(setup, r, batch, device, steps);
+    e.measured = m.peak;
+    e.out_of_memory = m.out_of_memory;
     rows.push_back(e);
   }
   return rows;
 }
 
-std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch) {
+std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch,
+                            c10::Device device) {
   const int label = label_width(
       rows, [](const Estimate& e) { return e.recipe.label(); }, 46);
   std::ostringstream out;
@@ -234,12 +246,23 @@ std::string format_estimate(const std::vector<Estimate>& rows, const std::string
       << cell("recipe", label) << rcell("predicted", 12) << rcell("measured", 12) << rcell("error", 9)
       << "\n";
   double worst = 0;
+  size_t out_of_memory = 0;
   for (const Estimate& e : rows) {
-    out << cell(e.recipe.label(), label) << rcell(format_bytes(e.predicted), 12)
-        << rcell(format_bytes(e.measured), 12) << rcell(fixed(100 * e.error(), 1) + "%", 9) << "\n";
+    out << cell(e.recipe.label(), label) << rcell(format_bytes(e.predicted), 12);
+    if (e.out_of_memory) {
+      out << rcell("out of mem", 12) << rcell("-", 9) << "\n";
+      ++out_of_memory;
+      continue;
+    }
+    out << rcell(format_bytes(e.measured), 12) << rcell(fixed(100 * e.error(), 1) + "%", 9) << "\n";
     worst = std::max(worst, std::abs(e.error()));
   }
-  out << "\nlargest error " << fixed(100 * worst, 1) << "% (target: within 10%)\n";
+  if (out_of_memory < rows.size())
+    out << "\nlargest error " << fixed(100 * worst, 1) << "% (target: within 10%)\n";
+  if (out_of_memory > 0)
+    out << "\n"
+        << out_of_memory << " of " << rows.size() << " recipes ran out of memory and have no measurement"
+        << out_of_memory_where(device) << "\n";
   return out.str();
 }
 
@@ -302,9 +325,10 @@ std::vector<BenchRow> run_bench(const std::string& model, int64_t batch, const s
 
 namespace {
 
+/// The row of that name, if it ran to the end.
 const BenchRow* find(const std::vector<BenchRow>& rows, const std::string& name) {
   for (const BenchRow& r : rows)
-    if (r.name == name) return &r;
+    if (r.name == name && !r.measured.out_of_memory) return &r;
   return nullptr;
 }
 
@@ -315,24 +339,27 @@ struct RuleRow {
 };
 
 /// The rules of thumb users find in tutorials, beside what this run measured.
-std::vector<RuleRow> rules(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
-  const TrainingSetup setup = zoo::training_setup(model);
-  const MemoryModel memory = MemoryModel::profile(setup, batch, c10::kCPU);
-  auto activations = [&](const BenchRow& r) {
-    return static_cast<double>(r.measured.peak - memory.static_bytes(r.recipe));
-  };
+std::vector<RuleRow> rules(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                           c10::Device device) {
   std::vector<RuleRow> out;
   const BenchRow* base = find(rows, "baseline");
   if (!base) return out;
+  const TrainingSetup setup = zoo::training_setup(model);
+  const MemoryModel memory = MemoryModel::profile(setup, batch, device);
+  auto activations = [&](const BenchRow& r) {
+    return static_cast<double>(r.measured.peak - memory.static_bytes(r.recipe));
+  };
   {
     torch::manual_seed(0);
     const zoo::Workload w = zoo::workload(model);
     auto net = w.make_model();
-    const zoo::Batch b = w.make_batch(batch, torch::kCPU);
+    net->to(device);
+    const zoo::Batch b = w.make_batch(batch, device);
     torch::NoGradGuard no_grad;
     net->eval();
-    const int64_t before = memory_stats(torch::kCPU).current;
-    PeakScope scope(torch::kCPU);
+    if (device.is_cuda()) torch::cuda::synchronize();
+    const int64_t before = memory_stats(device).current;
+    PeakScope scope(device);
     net->forward(b.input);
     const double inference = static_cast<double>(scope.peak() - before + memory.parameter_bytes());
     out.push_back(
@@ -361,7 +388,8 @@ std::vector<RuleRow> rules(const std::vector<BenchRow>& rows, const std::string&
 
 }  // namespace
 
-std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
+std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                         c10::Device device) {
   const int label = label_width(
       rows, [](const BenchRow& r) { return r.recipe.label(); }, 44);
   std::ostringstream out;
@@ -369,13 +397,24 @@ std::string format_bench(const std::vector<BenchRow>& rows, const std::string& m
       << cell("recipe", 16) << cell("what", label) << rcell("peak", 12) << rcell("vs baseline", 13)
       << rcell("step", 10) << rcell("vs baseline", 13) << "\n";
   const BenchRow* base = find(rows, "baseline");
+  size_t out_of_memory = 0;
   for (const BenchRow& r : rows) {
-    out << cell(r.name, 16) << cell(r.recipe.label(), label) << rcell(format_bytes(r.measured.peak), 12)
+    out << cell(r.name, 16) << cell(r.recipe.label(), label);
+    if (r.measured.out_of_memory) {
+      out << rcell("out of mem", 12) << rcell("-", 13) << rcell("-", 10) << rcell("-", 13) << "\n";
+      ++out_of_memory;
+      continue;
+    }
+    out << rcell(format_bytes(r.measured.peak), 12)
         << rcell(base ? fixed(static_cast<double>(r.measured.peak) / base->measured.peak, 2) + "x" : "-", 13)
         << rcell(fixed(r.measured.seconds, 3) + " s", 10)
         << rcell(base ? fixed(r.measured.seconds / base->measured.seconds, 2) + "x" : "-", 13) << "\n";
   }
-  const auto rule_rows = rules(rows, model, batch);
+  if (out_of_memory > 0)
+    out << "\n"
+        << out_of_memory << " of " << rows.size() << " recipes ran out of memory and have no measurement"
+        << out_of_memory_where(device) << "\n";
+  const auto rule_rows = rules(rows, model, batch, device);
   if (!rule_rows.empty()) {
     out << "\n" << cell("rule of thumb", 56) << cell("tutorials", 18) << "this run\n";
     for (const RuleRow& r : rule_rows) out << cell(r.rule, 56) << cell(r.tutorials, 18) << r.measured << "\n";
@@ -388,16 +427,26 @@ std::string format_bench(const std::vector<BenchRow>& rows, const std::string& m
   return out.str();
 }
 
-std::string bench_json(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch) {
+std::string bench_json(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                       c10::Device device) {
   nlohmann::json j;
   j["model"] = model;
   j["batch"] = batch;
+  j["device"] = device.str();
   j["recipes"] = nlohmann::json::array();
   const BenchRow* base = find(rows, "baseline");
   for (const BenchRow& r : rows) {
-    nlohmann::json row = {
-        {"name", r.name},          {"recipe", r.recipe.label()},    {"cpp", r.recipe.to_cpp()},
-        {"peak", r.measured.peak}, {"seconds", r.measured.seconds}, {"spread", r.measured.spread}};
+    nlohmann::json row = {{"name", r.name},
+                          {"recipe", r.recipe.label()},
+                          {"cpp", r.recipe.to_cpp()},
+                          {"out_of_memory", r.measured.out_of_memory}};
+    if (r.measured.out_of_memory) {
+      j["recipes"].push_back(row);
+      continue;
+    }
+    row["peak"] = r.measured.peak;
+    row["seconds"] = r.measured.seconds;
+    row["spread"] = r.measured.spread;
     if (base) {
       row["peak_ratio"] = static_cast<double>(r.measured.peak) / base->measured.peak;
       row["time_ratio"] = r.measured.seconds / base->measured.seconds;
@@ -406,7 +455,7 @@ std::string bench_json(const std::vector<BenchRow>& rows, const std::string& mod
   }
   j["noise"] = bench_noise(rows);
   j["rules"] = nlohmann::json::array();
-  for (const RuleRow& r : rules(rows, model, batch))
+  for (const RuleRow& r : rules(rows, model, batch, device))
     j["rules"].push_back({{"rule", r.rule}, {"tutorials", r.tutorials}, {"measured", r.measured}});
   return j.dump(2);
 }
@@ -414,9 +463,13 @@ std::string bench_json(const std::vector<BenchRow>& rows, const std::string& mod
 std::string bench_csv(const std::vector<BenchRow>& rows) {
   std::ostringstream out;
   out << "name,recipe,peak_bytes,seconds\n";
-  for (const BenchRow& r : rows)
-    out << r.name << ",\"" << r.recipe.label() << "\"," << r.measured.peak << ","
-        << fixed(r.measured.seconds, 6) << "\n";
+  for (const BenchRow& r : rows) {
+    out << r.name << ",\"" << r.recipe.label() << "\",";
+    if (r.measured.out_of_memory)
+      out << ",\n";  // ran out of memory: no peak, no step time
+    else
+      out << r.measured.peak << "," << fixed(r.measured.seconds, 6) << "\n";
+  }
   return out.str();
 }
 
@@ -437,13 +490,17 @@ void check_plot(const std::string& path) {
 void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
                 const std::string& path) {
   check_plot(path);
+  TORCH_CHECK(
+      std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.measured.out_of_memory; }),
+      "--plot: nothing to draw, every recipe ran out of memory");
   const bool svg = path.substr(path.size() - 4) == ".svg";
   const std::string data = path + ".dat", script = path + ".gp";
   {
     std::ofstream d(data);
     for (const BenchRow& r : rows)
-      d << fixed(r.measured.seconds, 6) << " " << fixed(r.measured.peak / 1048576.0, 3) << " \"" << r.name
-        << "\"\n";
+      if (!r.measured.out_of_memory)
+        d << fixed(r.measured.seconds, 6) << " " << fixed(r.measured.peak / 1048576.0, 3) << " \"" << r.name
+          << "\"\n";
   }
   {
     std::ofstream g(script);

@@ -19,24 +19,30 @@ struct Estimate {
   Recipe recipe;
   int64_t predicted = 0;
   int64_t measured = 0;
+  /// The run ended in an out-of-memory (on the CPU: past nine tenths of the host memory available), so
+  /// `measured` is only what it reached.
+  bool out_of_memory = false;
   double error() const { return static_cast<double>(predicted - measured) / static_cast<double>(measured); }
 };
 std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps);
-std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch);
+std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch,
+                            c10::Device device);
 
 /// The named recipes `bench` knows: each technique alone and the useful combinations.
 std::vector<std::pair<std::string, Recipe>> bench_recipes(int64_t batch);
 struct BenchRow {
   std::string name;
   Recipe recipe;
-  Measurement measured;
+  Measurement measured;  ///< out_of_memory: a row without a peak or step time
 };
 /// Runs the recipes named in `names` ("all" or a comma-separated list); an unknown name is an error before
 /// anything runs.
 std::vector<BenchRow> run_bench(const std::string& model, int64_t batch, const std::string& names, int steps,
                                 c10::Device device, bool progress);
-std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch);
-std::string bench_json(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch);
+std::string format_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                         c10::Device device);
+std::string bench_json(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                       c10::Device device);
 std::string bench_csv(const std::vector<BenchRow>& rows);
 /// Whether plot_bench can draw into `path`: a .png or .svg name in a folder this process can write, and
 /// gnuplot installed; an error saying why not. Call it before run_bench, so that a bad --plot costs no run.

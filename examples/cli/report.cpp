@@ -64,7 +64,13 @@ void run_report(const ReportOptions& options, Report& report) {
   report.stage = "runtime ready";
   reset_peak(device);
   std::optional<ScopedBudget> budget;
-  if (options.budget) budget.emplace(device, *options.budget);
+  if (device.is_cpu()) {
+    // The simulated device is host memory: stop where the host would start to swap, not at the OOM killer.
+    const int64_t host = memory_stats(device).current + host_memory_available() / 10 * 9;
+    if (!options.budget || host < *options.budget) report.host_bound = host;
+  }
+  if (const auto bound = report.host_bound ? report.host_bound : options.budget)
+    budget.emplace(device, *bound);
   PeakScope since_ready(device);
   add_row(report, device, since_ready.peak());
 
@@ -167,6 +173,7 @@ std::string format_json(const Report& report, const std::string& error, const st
   j["optimizer"] = o.optimizer;
   j["device"] = o.device;
   j["budget"] = o.budget ? nlohmann::json(*o.budget) : nlohmann::json(nullptr);
+  j["host_bound"] = report.host_bound ? nlohmann::json(*report.host_bound) : nlohmann::json(nullptr);
   j["parameters"] = report.parameters;
   j["rows"] = nlohmann::json::array();
   for (const ReportRow& row : report.rows) {

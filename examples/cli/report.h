@@ -43,6 +43,9 @@ struct Report {
   int64_t training_peak = 0;   ///< the pool's peak during the training step
   std::optional<MemoryBreakdown> breakdown;
   std::vector<Rule> rules;
+  /// On the CPU, the bound on the pool when it is the host's (nine tenths of the memory available at the
+  /// start, tighter than --budget or without one) rather than --budget's.
+  std::optional<int64_t> host_bound;
 };
 
 /// The optimizers `report` knows.

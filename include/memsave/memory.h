@@ -49,6 +49,12 @@ void reset_peak(c10::Device device);
 void set_budget(c10::Device device, std::optional<int64_t> bytes);
 std::optional<int64_t> get_budget(c10::Device device);
 
+/// Bytes the host can still provide without swapping (Linux: MemAvailable in /proc/meminfo). On the CPU the
+/// device pool is host memory, so memsave's measuring runs there (`measure`, `MemoryModel::profile`,
+/// `rescue`) stop at nine tenths of it with an out-of-memory, rather than swap or meet the kernel's OOM
+/// killer.
+int64_t host_memory_available();
+
 /// Sets a budget for its lifetime and restores the previous one.
 class ScopedBudget {
  public:
