@@ -11,9 +11,13 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdio>
+#include <cerrno>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
 #include <mutex>
+#include <string>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -211,18 +215,92 @@ std::optional<int64_t> get_budget(c10::Device device) {
   return meter(device).budget;
 }
 
-int64_t host_memory_available() {
-  // MemAvailable counts the page cache the kernel would drop; free pages alone (sysconf) undercount it.
-  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
-    char line[128];
-    long long kib = -1;
-    while (std::fgets(line, sizeof line, f) != nullptr)
-      if (std::sscanf(line, "MemAvailable: %lld kB", &kib) == 1) break;
-    std::fclose(f);
-    if (kib >= 0) return static_cast<int64_t>(kib) * 1024;
-  }
-  return static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+namespace {
+
+/// The number a cgroup file holds (its first word); none for "max" (cgroup v2's no limit), a missing file, or
+/// cgroup v1's no limit (the largest page-aligned 64-bit count).
+std::optional<int64_t> cgroup_number(const std::string& path) {
+  std::ifstream in(path);
+  std::string word;
+  if (!(in >> word) || word == "max") return std::nullopt;
+  errno = 0;
+  char* end = nullptr;
+  const long long value = std::strtoll(word.c_str(), &end, 10);
+  if (errno != 0 || *end != '\0' || value < 0 || value >= (int64_t{1} << 62)) return std::nullopt;
+  return value;
 }
+
+/// The value of `key` in a file of "key value" lines (/proc/meminfo, memory.stat).
+std::optional<int64_t> keyed_number(const std::string& path, const std::string& key) {
+  std::ifstream in(path);
+  std::string name;
+  long long value = 0;
+  while (in >> name >> value) {
+    if (name == key) return value;
+    in.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+namespace detail {
+
+int64_t host_memory_available(const std::string& root) {
+  // MemAvailable counts the page cache the kernel would drop; free pages alone (sysconf) undercount it.
+  int64_t available = 0;
+  if (const auto kib = keyed_number(root + "/proc/meminfo", "MemAvailable:"))
+    available = *kib * 1024;
+  else
+    available = static_cast<int64_t>(sysconf(_SC_AVPHYS_PAGES)) * static_cast<int64_t>(sysconf(_SC_PAGESIZE));
+
+  // A memory cgroup (a container's limit) may allow less: of each limit on the way to the hierarchy's root,
+  // what its usage leaves, the inactive file cache not counted (the kernel reclaims it before the cgroup's
+  // OOM killer acts). The memory controller of cgroup v1 where it is mounted, else cgroup v2's.
+  struct Files {
+    const char* limit;
+    const char* usage;
+    const char* inactive;  ///< the inactive file cache's key in memory.stat
+  };
+  static constexpr Files kV1{"memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"};
+  static constexpr Files kV2{"memory.max", "memory.current", "inactive_file"};
+  const Files* files = nullptr;
+  std::string base, path, line;
+  std::ifstream cgroups(root + "/proc/self/cgroup");
+  while (std::getline(cgroups, line)) {  // "id:controllers:path"
+    const auto first = line.find(':'), second = line.find(':', first + 1);
+    if (first == std::string::npos || second == std::string::npos) continue;
+    std::string controllers(1, ',');
+    controllers.append(line, first + 1, second - first - 1).push_back(',');
+    if (controllers.find(",memory,") != std::string::npos &&
+        std::ifstream(root + "/sys/fs/cgroup/memory/" + kV1.limit)) {
+      std::tie(files, base, path) =
+          std::make_tuple(&kV1, root + "/sys/fs/cgroup/memory", line.substr(second + 1));
+      break;
+    }
+    if (controllers == ",," && std::ifstream(root + "/sys/fs/cgroup/cgroup.controllers"))
+      std::tie(files, base, path) = std::make_tuple(&kV2, root + "/sys/fs/cgroup", line.substr(second + 1));
+  }
+  if (files == nullptr) return available;
+  // A container sees its own cgroup at the mount's root, under a path from outside it: directories that do
+  // not exist are skipped.
+  for (;;) {
+    const std::string dir = base + (path == "/" ? "" : path);
+    if (const auto max = cgroup_number(dir + "/" + files->limit)) {
+      const int64_t used = cgroup_number(dir + "/" + files->usage).value_or(0) -
+                           keyed_number(dir + "/memory.stat", files->inactive).value_or(0);
+      available = std::min(available, std::max<int64_t>(0, *max - std::max<int64_t>(0, used)));
+    }
+    const auto slash = path.rfind('/');
+    if (path == "/" || slash == std::string::npos) break;
+    path = slash == 0 ? "/" : path.substr(0, slash);
+  }
+  return available;
+}
+
+}  // namespace detail
+
+int64_t host_memory_available() { return detail::host_memory_available(""); }
 
 ScopedBudget::ScopedBudget(c10::Device device, int64_t bytes)
     : device_(normalize(device)), previous_(get_budget(device)) {

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 namespace memsave::detail {
 
@@ -35,5 +36,9 @@ void cuda_record_host_use(const at::Tensor& host, const c10::Stream& stream);
 /// cuda_record_host_use for a copy queued on the current stream of `device`; nothing for a CPU device or in a
 /// build without CUDA.
 void record_host_use(const at::Tensor& host, c10::Device device);
+
+/// memsave::host_memory_available with the files it reads (/proc/meminfo, /proc/self/cgroup, /sys/fs/cgroup)
+/// under `root` ("" for the machine's own).
+int64_t host_memory_available(const std::string& root);
 
 }  // namespace memsave::detail

@@ -1,10 +1,14 @@
 #include <memsave/memory.h>
 
+#include "../src/memory_internal.h"
+
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -122,6 +126,73 @@ TEST(HostMemory, AvailableIsPositiveAndAtMostThePhysicalMemory) {
   const int64_t available = host_memory_available();
   EXPECT_GT(available, 0);
   EXPECT_LE(available, physical);
+}
+
+/// A file tree standing for a machine's /proc and /sys/fs/cgroup.
+class FakeHost {
+ public:
+  FakeHost() : root_(::testing::TempDir() + "memsave_fake_host_" + std::to_string(getpid())) {
+    std::filesystem::remove_all(root_);
+    write("/proc/meminfo",
+          "MemTotal:       33554432 kB\nMemFree:         1048576 kB\n"
+          "MemAvailable:    8388608 kB\nBuffers:          131072 kB\n");  // 8 GiB available
+  }
+  ~FakeHost() { std::filesystem::remove_all(root_); }
+  void write(const std::string& path, const std::string& text) const {
+    std::filesystem::create_directories(std::filesystem::path(root_ + path).parent_path());
+    std::ofstream(root_ + path) << text;
+  }
+  int64_t available() const { return detail::host_memory_available(root_); }
+
+ private:
+  std::string root_;
+};
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+TEST(HostMemory, IsMemAvailableWithoutACgroupLimit) {
+  FakeHost host;
+  EXPECT_EQ(host.available(), 8 * kGiB);
+  // cgroup v1 without a limit (the kernel's largest page count) and cgroup v2's "max"
+  host.write("/proc/self/cgroup", "5:devices:/\n4:memory:/user.slice\n0::/\n");
+  host.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", "9223372036854771712\n");
+  host.write("/sys/fs/cgroup/memory/memory.usage_in_bytes", "1073741824\n");
+  EXPECT_EQ(host.available(), 8 * kGiB);
+  host.write("/proc/self/cgroup", "4:memory:no-slash\n");  // malformed: no such cgroup, and the walk ends
+  host.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", std::to_string(kGiB) + "\n");
+  host.write("/sys/fs/cgroup/memory/memory.usage_in_bytes", "0\n");
+  EXPECT_EQ(host.available(), 8 * kGiB);
+}
+
+TEST(HostMemory, AContainersCgroupV2LimitLessItsUsageButTheInactiveFileCache) {
+  FakeHost host;
+  host.write("/proc/self/cgroup", "0::/pod/container\n");
+  host.write("/sys/fs/cgroup/cgroup.controllers", "cpu memory\n");
+  host.write("/sys/fs/cgroup/pod/container/memory.max", "max\n");
+  host.write("/sys/fs/cgroup/pod/container/memory.current", "104857600\n");
+  // the pod's limit binds: 2 GiB, 1.5 GiB used of which 0.5 GiB is inactive file cache
+  host.write("/sys/fs/cgroup/pod/memory.max", std::to_string(2 * kGiB) + "\n");
+  host.write("/sys/fs/cgroup/pod/memory.current", std::to_string(3 * kGiB / 2) + "\n");
+  host.write("/sys/fs/cgroup/pod/memory.stat",
+             "anon 1073741824\nfile 536870912\nactive_file 0\ninactive_file 536870912\n");
+  EXPECT_EQ(host.available(), kGiB);
+  // a usage past the limit leaves nothing
+  host.write("/sys/fs/cgroup/pod/memory.stat", "inactive_file 0\n");
+  host.write("/sys/fs/cgroup/pod/memory.current", std::to_string(3 * kGiB) + "\n");
+  EXPECT_EQ(host.available(), 0);
+}
+
+TEST(HostMemory, ACgroupV1LimitSeenFromInsideItsContainer) {
+  FakeHost host;
+  // The path is the host's; the container sees its own cgroup at the mount's root.
+  host.write("/proc/self/cgroup", "4:memory:/docker/0123abcd\n0::/\n");
+  host.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", std::to_string(3 * kGiB) + "\n");
+  host.write("/sys/fs/cgroup/memory/memory.usage_in_bytes", std::to_string(kGiB + kGiB / 4) + "\n");
+  host.write("/sys/fs/cgroup/memory/memory.stat", "cache 268435456\ntotal_inactive_file 268435456\n");
+  EXPECT_EQ(host.available(), 2 * kGiB);
+  // a limit above MemAvailable does not raise it
+  host.write("/sys/fs/cgroup/memory/memory.limit_in_bytes", std::to_string(64 * kGiB) + "\n");
+  EXPECT_EQ(host.available(), 8 * kGiB);
 }
 
 TEST(Budget, AnOutOfMemoryInsideAStepLeavesTheModelAsItWas) {

@@ -49,7 +49,9 @@ void reset_peak(c10::Device device);
 void set_budget(c10::Device device, std::optional<int64_t> bytes);
 std::optional<int64_t> get_budget(c10::Device device);
 
-/// Bytes the host can still provide without swapping (Linux: MemAvailable in /proc/meminfo). On the CPU the
+/// Bytes the host can still provide without swapping: Linux's MemAvailable (/proc/meminfo), or less where the
+/// process's memory cgroup (v1 or v2: a container's memory limit) allows less, its limit less its usage but
+/// for the inactive file cache. On the CPU the
 /// device pool is host memory, so memsave's measuring runs there (`measure`, `MemoryModel::profile`,
 /// `rescue`) stop at nine tenths of it with an out-of-memory, rather than swap or meet the kernel's OOM
 /// killer.
