@@ -158,7 +158,8 @@ TEST(Cli, OnTheCpuABatchLargerThanTheHostIsAnOutOfMemoryNotAKill) {
       << table.output;
   const Result j = invoke_stdout(bench + " --json");
   ASSERT_EQ(j.code, 0) << j.output;
-  for (const auto& row : nlohmann::json::parse(j.output)["recipes"]) {
+  const auto parsed = nlohmann::json::parse(j.output);
+  for (const auto& row : parsed["recipes"]) {
     EXPECT_TRUE(row["out_of_memory"].get<bool>());
     EXPECT_FALSE(row.contains("peak") || row.contains("seconds") || row.contains("peak_ratio")) << row;
   }

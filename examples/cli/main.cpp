@@ -167,7 +167,8 @@ int main(int argc, char** argv) {
     if (estimate_cmd->parsed()) {
       TORCH_CHECK(estimate_batch > 0, "--batch must be > 0, got ", estimate_batch);
       const c10::Device device = parse_device(estimate_device);
-      const auto rows = memsave::cli::run_estimate(estimate_model, estimate_batch, device, 2);
+      const auto rows =
+          memsave::cli::run_estimate(estimate_model, estimate_batch, device, 2, isatty(STDERR_FILENO));
       std::cout << memsave::cli::format_estimate(rows, estimate_model, estimate_batch, device);
       return 0;
     }

@@ -218,21 +218,29 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
   return j.dump(2);
 }
 
-std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps) {
+std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps,
+                                   bool progress) {
   const TrainingSetup setup = zoo::training_setup(model);
+  if (progress) std::cerr << "\rprofiling " << model << std::flush;
   const MemoryModel memory = MemoryModel::profile(setup, batch, device);
+  std::vector<Recipe> recipes;
+  for (const Recipe& r : checklist(batch, memory.elements(), device, builds_four_bit_state(setup.optimizer)))
+    if (r.micro_batch() == 0 || r.micro_batch() * 4 >= batch)
+      recipes.push_back(r);  // micro down to a quarter
   std::vector<Estimate> rows;
-  for (const Recipe& r :
-       checklist(batch, memory.elements(), device, builds_four_bit_state(setup.optimizer))) {
-    if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;  // micro-batches down to a quarter
+  for (size_t i = 0; i < recipes.size(); ++i) {
+    if (progress)
+      std::cerr << "\r" << std::string(24, ' ') << "\rrecipe " << i + 1 << "/" << recipes.size()
+                << std::flush;
     Estimate e;
-    e.recipe = r;
-    e.predicted = memory.predict(r);
-    const Measurement m = measure(setup, r, batch, device, steps);
+    e.recipe = recipes[i];
+    e.predicted = memory.predict(recipes[i]);
+    const Measurement m = measure(setup, recipes[i], batch, device, steps);
     e.measured = m.peak;
     e.out_of_memory = m.out_of_memory;
     rows.push_back(e);
   }
+  if (progress) std::cerr << "\r" << std::string(24, ' ') << "\r" << std::flush;
   return rows;
 }
 

@@ -24,7 +24,9 @@ struct Estimate {
   bool out_of_memory = false;
   double error() const { return static_cast<double>(predicted - measured) / static_cast<double>(measured); }
 };
-std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps);
+/// `progress`: a line on stderr saying what runs (for a terminal).
+std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps,
+                                   bool progress);
 std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch,
                             c10::Device device);
 
