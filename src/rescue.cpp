@@ -31,12 +31,11 @@ std::vector<nn::CheckpointSequentialImpl::Segment> pieces(const Checkpointing& c
   return nn::even_segments(n, k);
 }
 
-/// On the CPU the device pool is host memory: the bytes a measuring run may add to it before an allocation
-/// ends the run as an out-of-memory (nine tenths of what the host can still provide, leaving room for what
-/// LibTorch allocates outside the pool). No bound on other devices, whose pools have their own end.
+/// The bound of a measuring run on `device`: simulated_device_room() on the CPU, none on other devices
+/// (their pools have their own end).
 std::optional<int64_t> host_room(c10::Device device) {
   if (!device.is_cpu()) return std::nullopt;
-  return host_memory_available() / 10 * 9;
+  return simulated_device_room();
 }
 
 /// Bounds `device`'s pool at `current + room` while open, unless a tighter budget is already in force.
@@ -496,6 +495,8 @@ double timing_noise(const std::vector<Candidate>& candidates) {
     if (c.status == Candidate::Status::kFits) spreads.push_back(c.measured.spread);
   return median(spreads);
 }
+
+int64_t simulated_device_room() { return host_memory_available() / 10 * 9; }
 
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   TORCH_CHECK(options.batch() > 0, "rescue: batch must be > 0, got ", options.batch());

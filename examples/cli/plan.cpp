@@ -74,7 +74,7 @@ std::string out_of_memory_where(c10::Device device) {
   if (!device.is_cpu()) return " on " + device.str();
   return " (on the CPU the device is simulated in host memory, and a run stops at nine tenths of what the "
          "host can provide: about " +
-         format_bytes(host_memory_available() / 10 * 9) + " now)";
+         format_bytes(simulated_device_room()) + " now)";
 }
 
 /// Timing noise (RescuePlan::noise) above which `bench` says its ratios are uncertain: in `memsave rescue`,

@@ -3,6 +3,7 @@
 #include "../zoo/zoo.h"
 
 #include <memsave/optim.h>
+#include <memsave/rescue.h>
 
 #include <nlohmann/json.hpp>
 
@@ -66,7 +67,7 @@ void run_report(const ReportOptions& options, Report& report) {
   std::optional<ScopedBudget> budget;
   if (device.is_cpu()) {
     // The simulated device is host memory: stop where the host would start to swap, not at the OOM killer.
-    const int64_t host = memory_stats(device).current + host_memory_available() / 10 * 9;
+    const int64_t host = memory_stats(device).current + simulated_device_room();
     if (!options.budget || host < *options.budget) report.host_bound = host;
   }
   if (const auto bound = report.host_bound ? report.host_bound : options.budget)

@@ -51,10 +51,9 @@ std::optional<int64_t> get_budget(c10::Device device);
 
 /// Bytes the host can still provide without swapping: Linux's MemAvailable (/proc/meminfo), or less where the
 /// process's memory cgroup (v1 or v2: a container's memory limit) allows less, its limit less its usage but
-/// for the inactive file cache. On the CPU the
-/// device pool is host memory, so memsave's measuring runs there (`measure`, `MemoryModel::profile`,
-/// `rescue`) stop at nine tenths of it with an out-of-memory, rather than swap or meet the kernel's OOM
-/// killer.
+/// for the inactive file cache. On the CPU the device pool is host memory, so memsave's measuring runs there
+/// stop short of it with an out-of-memory (`simulated_device_room()`, memsave/rescue.h) rather than swap or
+/// meet the kernel's OOM killer.
 int64_t host_memory_available();
 
 /// Sets a budget for its lifetime and restores the previous one.

@@ -46,19 +46,24 @@ struct Measurement {
   bool out_of_memory = false;
 };
 
+/// On the CPU, where the device is simulated in host memory, what a measuring run (measure,
+/// MemoryModel::profile, rescue) may add to the pool before an allocation ends it as an out-of-memory: nine
+/// tenths of `host_memory_available()`, the rest left for what LibTorch allocates outside the pool.
+int64_t simulated_device_room();
+
 /// Builds a fresh model and Trainer for `recipe` and runs `steps` (>= 2) training steps on a batch of `batch`
 /// rows; with a budget, what the run allocates is bounded by it and an allocation past it ends the run as
-/// out_of_memory. On the CPU the run is also bounded by nine tenths of `host_memory_available()`.
+/// out_of_memory. On the CPU the run is also bounded by `simulated_device_room()`.
 Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t batch, c10::Device device,
                     int steps, std::optional<int64_t> budget = std::nullopt);
 
 /// Predicts the peak of a recipe from one profile of the model: the bytes of parameters, gradients, optimizer
 /// state (by optimizer and bits) and batch, and from training passes run element by element (fp32 and under
 /// autocast, at two sizes of the batch, or of half of it and so on when the device cannot hold that; on the
-/// CPU the device holds nine tenths of `host_memory_available()`) each element's stored activations, forward
-/// peak, backward peak and, onto existing gradients, what its arriving gradients add; and the optimizer
-/// step's temporaries. A recipe's pass is simulated by walking the backward through its checkpoint plan,
-/// bytes scaled to the micro-batch's rows.
+/// CPU the device holds `simulated_device_room()`) each element's stored activations, forward peak, backward
+/// peak and, onto existing gradients, what its arriving gradients add; and the optimizer step's temporaries.
+/// A recipe's pass is simulated by walking the backward through its checkpoint plan, bytes scaled to the
+/// micro-batch's rows.
 class MemoryModel {
  public:
   static MemoryModel profile(const TrainingSetup& setup, int64_t batch, c10::Device device);
@@ -119,7 +124,7 @@ struct RescueOptions {
   /// The effective batch (rows per optimizer step), kept by every candidate.
   TORCH_ARG(int64_t, batch);
   /// Bytes the training step may use in the device pool. On the CPU, where the device is simulated in host
-  /// memory, at most nine tenths of `host_memory_available()`.
+  /// memory, at most `simulated_device_room()`.
   TORCH_ARG(int64_t, budget);
   TORCH_ARG(c10::Device, device) = c10::kCPU;
   /// Steps per candidate (>= 2; the first creates the optimizer state and is not timed, the median of the
