@@ -179,6 +179,30 @@ TEST(Rescue, OnTheCpuARunLargerThanTheHostEndsAsAnOutOfMemoryNotAKill) {
   EXPECT_GT(host_memory_available(), 0);
 }
 
+TEST(Rescue, OnTheCpuRunsStopAtTheSimulatedDeviceRoom) {
+  // A batch factory that first asks the pool for `extra` bytes, never touched (so they take no host memory
+  // under Linux's overcommit), and lets them go.
+  const TrainingSetup mlp = training_setup("mlp");
+  auto asking = [&](int64_t extra) {
+    TrainingSetup setup = mlp;
+    setup.make_batch = [make_batch = mlp.make_batch, extra](int64_t rows, c10::Device device) {
+      torch::empty({extra}, torch::kByte);
+      return make_batch(rows, device);
+    };
+    return setup;
+  };
+  const int64_t room = simulated_device_room();
+  EXPECT_GT(room, 0);
+  EXPECT_LE(room, host_memory_available());
+  // 1 GiB past the room (the host's available memory moves a little between readings): refused by the bound,
+  // where the system alone would have handed it out.
+  const TrainingSetup over = asking(room + (int64_t{1} << 30));
+  EXPECT_TRUE(measure(over, Recipe(), 8, torch::kCPU, 2).out_of_memory);
+  EXPECT_THROW(MemoryModel::profile(over, 8, torch::kCPU), c10::OutOfMemoryError);  // even at one row
+  EXPECT_FALSE(get_budget(torch::kCPU).has_value());
+  EXPECT_FALSE(measure(asking(room / 2), Recipe(), 8, torch::kCPU, 2).out_of_memory);
+}
+
 /// Every candidate of the checklist (micro-batches down to a quarter of the batch) predicted within 1% of its
 /// measured peak.
 void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch) {

@@ -497,7 +497,6 @@ void check_plot(const std::string& path) {
 
 void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
                 const std::string& path) {
-  check_plot(path);
   TORCH_CHECK(
       std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.measured.out_of_memory; }),
       "--plot: nothing to draw, every recipe ran out of memory");

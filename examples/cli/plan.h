@@ -49,7 +49,8 @@ std::string bench_csv(const std::vector<BenchRow>& rows);
 /// Whether plot_bench can draw into `path`: a .png or .svg name in a folder this process can write, and
 /// gnuplot installed; an error saying why not. Call it before run_bench, so that a bad --plot costs no run.
 void check_plot(const std::string& path);
-/// Peak memory against step time, one point per recipe, drawn with gnuplot into `path` (.png or .svg).
+/// Peak memory against step time, one point per recipe, drawn with gnuplot into `path`, which check_plot
+/// accepted.
 void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
                 const std::string& path);
 
