@@ -7,6 +7,7 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include <cmath>
+#include <unordered_set>
 
 namespace memsave {
 
@@ -105,10 +106,13 @@ WindowStep GradientAccumulator::step() {
   WindowStep result;
   try {
     if (scaler_) scaler_->unscale_(optimizer_);
+    // Each once, though a LibTorch optimizer may list one twice (a module used twice): its gradient is to be
+    // corrected and clipped once.
     std::vector<torch::Tensor> parameters;
+    std::unordered_set<const c10::TensorImpl*> seen;
     for (const auto& group : optimizer_.param_groups())
       for (const auto& p : group.params())
-        if (p.grad().defined()) parameters.push_back(p);
+        if (p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second) parameters.push_back(p);
     // Every micro-batch divided its loss by the window's expected items; put the real count in.
     const double correction = *normalizer_ / items_;
     if (correction != 1.0) {

@@ -17,6 +17,7 @@
 #include <limits>
 #include <map>
 #include <tuple>
+#include <unordered_set>
 #include <vector>
 
 namespace memsave::amp {
@@ -34,13 +35,16 @@ bool all_finite_cpu(const torch::Tensor& grad) {
   return finite;
 }
 
-/// The defined gradients of `optimizer`, checked before anything touches them (not fp16, not sparse).
+/// The defined gradients of `optimizer`, checked before anything touches them (not fp16, not sparse), each
+/// once: a LibTorch optimizer over a module used twice lists its parameters twice, and unscaling a gradient
+/// twice would be wrong.
 std::vector<torch::Tensor> checked_gradients(const torch::optim::Optimizer& optimizer) {
   std::vector<torch::Tensor> grads;
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
       const torch::Tensor& g = p.grad();
-      if (!g.defined()) continue;
+      if (!g.defined() || !seen.insert(g.unsafeGetTensorImpl()).second) continue;
       TORCH_CHECK(
           g.scalar_type() != torch::kHalf,
           "GradScaler: attempting to unscale fp16 gradients; the parameters (master weights) must be fp32");

@@ -20,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <typeinfo>
+#include <unordered_set>
 #include <vector>
 
 namespace memsave::optim {
@@ -109,8 +110,13 @@ struct StateAccess {
     TORCH_CHECK(form.has_value(), "copy_state: ", role, " is a ", type_name(o),
                 "; the state copied is that of torch::optim::Adam, AdamW or SGD, of memsave's optimizers "
                 "with 8- or 4-bit state and of memsave::OffloadOptimizer");
+    // Each parameter once: a LibTorch optimizer over a module used twice lists its parameters twice (with one
+    // state), where memsave's optimizers, the Trainer's included, list them once.
+    std::unordered_set<const c10::TensorImpl*> seen;
     for (size_t g = 0; g < o.param_groups().size(); ++g) {
-      for (const auto& p : o.param_groups()[g].params()) out.push_back({p, p, &o, *form, g, host_arena});
+      for (const auto& p : o.param_groups()[g].params()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) out.push_back({p, p, &o, *form, g, host_arena});
+      }
     }
     return *rule;
   }

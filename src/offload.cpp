@@ -10,6 +10,7 @@
 #include "offload_internal.h"
 #endif
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
@@ -346,11 +347,20 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
     TORCH_CHECK(p.is_floating_point(), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
                 ", not floating point");
     TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "OffloadOptimizer: parameter ", i,
-                " is listed twice");
+                " is listed twice (a module used twice appears twice in LibTorch's parameters(): "
+                "memsave::unique_parameters(model->parameters()) lists it once)");
     if (p.numel() < options.min_offload_size()) {
       small.push_back(p);
       continue;
     }
+    // Its fp32 master is the weight it gets back: a wider type would lose precision at every step, and an
+    // expanded tensor has no room for the copy back.
+    TORCH_CHECK(
+        kernel_dtype(p.scalar_type()), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
+        "; an offloaded parameter must be float32, float16 or bfloat16 (its master weights are fp32)");
+    TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, "OffloadOptimizer: parameter ", i,
+                " has elements that share memory (an expanded tensor, strides ", p.strides(),
+                "); a parameter needs memory of its own");
     Offloaded o;
     o.param = p;
     o.master = host_empty(p.sizes(), torch::kFloat);

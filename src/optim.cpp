@@ -6,11 +6,25 @@
 #include "kernel_dtype.h"
 #include "optim_internal.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <unordered_map>
+
+namespace memsave {
+
+std::vector<torch::Tensor> unique_parameters(const std::vector<torch::Tensor>& params) {
+  std::unordered_set<const c10::TensorImpl*> seen;
+  std::vector<torch::Tensor> unique;
+  for (const auto& p : params) {
+    if (seen.insert(p.unsafeGetTensorImpl()).second) unique.push_back(p);
+  }
+  return unique;
+}
+
+}  // namespace memsave
 
 namespace memsave::optim {
 namespace {
@@ -36,6 +50,31 @@ k::DType storage_type(const torch::Tensor& t) {
   const std::optional<k::DType> dtype = kernel_dtype(t.scalar_type());
   TORCH_CHECK(dtype, "parameters must be float32, float16 or bfloat16, got ", t.scalar_type());
   return *dtype;
+}
+
+/// What every step needs of the parameters themselves: a storage type the kernels step, memory that no two
+/// elements share (an expanded tensor: the step would have nowhere to write), and each parameter in one place
+/// only (listed twice, it would get two states and be stepped twice; LibTorch's Module::parameters() lists a
+/// module used twice twice: memsave::unique_parameters).
+void check_parameters(const std::vector<torch::optim::OptimizerParamGroup>& groups, const char* name) {
+  std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> seen;  // -> (group, index)
+  for (size_t gi = 0; gi < groups.size(); ++gi) {
+    const auto& params = groups[gi].params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const torch::Tensor& p = params[i];
+      TORCH_CHECK(kernel_dtype(p.scalar_type()), name,
+                  ": parameters must be float32, float16 or bfloat16, got ", p.scalar_type(), " (group ", gi,
+                  ", parameter ", i, ")");
+      TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, name, ": parameter ", i, " of group ",
+                  gi, " has elements that share memory (an expanded tensor, strides ", p.strides(),
+                  "); a parameter needs memory of its own");
+      const auto [it, fresh] = seen.emplace(p.unsafeGetTensorImpl(), std::make_pair(gi, i));
+      TORCH_CHECK(fresh, name, ": parameter ", i, " of group ", gi, " is also parameter ", it->second.second,
+                  " of group ", it->second.first,
+                  "; list each parameter once (a module used twice appears twice in LibTorch's parameters(): "
+                  "memsave::unique_parameters(model->parameters()) lists it once)");
+    }
+  }
 }
 
 int64_t blocks_of(int64_t numel, int64_t block) { return (numel + block - 1) / block; }
@@ -237,12 +276,7 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
               ": MEMSAVE_CPU_ISA=", unknown_isa,
               " names none of the CPU kernels' instruction sets: ", k::cpu_isa_levels(),
               " (unset or empty: the best the processor has)");
-  for (const auto& group : param_groups_) {
-    for (const auto& p : group.params()) {
-      TORCH_CHECK(p.is_floating_point() && !p.is_complex(), kind_name(static_cast<int32_t>(kind_), bits_),
-                  ": parameters must be float32, float16 or bfloat16, got ", p.scalar_type());
-    }
-  }
+  check_parameters(param_groups_, kind_name(static_cast<int32_t>(kind_), bits_));
 }
 
 void LowBitOptimizer::check(const Hyper& h, Kind kind) {
@@ -296,6 +330,7 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
   const bool second = kind_ == Kind::kAdam || kind_ == Kind::kAdamW;
 
   // 1. Check everything; nothing changes before the kernels run.
+  check_parameters(param_groups_, name);  // again: add_param_group may have added to them since
   std::vector<Hyper> hypers;
   std::vector<Work> work;
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
@@ -307,7 +342,6 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
       const torch::Tensor& g = p.grad();
       if (!g.defined()) continue;
       TORCH_CHECK(!g.is_sparse(), name, ": sparse gradients are not supported");
-      storage_type(p);
       TORCH_CHECK(g.scalar_type() == p.scalar_type(), name, ": the gradient's dtype ", g.scalar_type(),
                   " differs from its parameter's ", p.scalar_type());
       TORCH_CHECK(g.sizes() == p.sizes(), name, ": gradient of shape ", g.sizes(),

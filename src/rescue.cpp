@@ -146,7 +146,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   // Two sizes, to tell what grows with the rows from what does not (autocast's casted weights, say).
   const int64_t small_rows = std::max<int64_t>(1, model.rows_ / 2);
   const auto [small_input, small_target] = setup.make_batch(small_rows, device);
-  auto optimizer = setup.optimizer(net->parameters(), Recipe());
+  auto optimizer = setup.optimizer(params, Recipe());
 
   // One training pass run element by element. What each element's forward leaves in the pool is what the
   // graph keeps of it; a hook on each element's output marks when its gradient is ready, i.e. when that

@@ -156,7 +156,7 @@ Trainer::Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optim
     : recipe_(std::move(recipe)) {
   TORCH_CHECK(make_optimizer, "Trainer: make_optimizer is empty");
   apply(model);
-  optimizer_ = make_optimizer(model->parameters(), recipe_);
+  optimizer_ = make_optimizer(unique_parameters(model->parameters()), recipe_);
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: make_optimizer returned no optimizer");
   make_accumulator();
 }
@@ -491,7 +491,7 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
     // copy_state changes nothing unless it succeeds.
     std::unique_ptr<torch::optim::Optimizer> file;
     try {
-      file = file_optimizer(type, bits, optimizer, model_->parameters());
+      file = file_optimizer(type, bits, optimizer, unique_parameters(model_->parameters()));
       if (file != nullptr) {
         file->load(optimizer);
         optim::copy_state(*file, *optimizer_);

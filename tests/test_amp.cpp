@@ -102,6 +102,17 @@ TEST(GradScaler, UnscaleGivesTrueGradientsForClipping) {
   EXPECT_TRUE(torch::allclose(p.detach(), torch::tensor({3.0f - 0.6f, 4.0f - 0.8f}), 1e-6, 1e-6));
 }
 
+// A LibTorch optimizer over a module used twice lists its parameters twice (LibTorch's parameters() does):
+// each gradient is still unscaled once.
+TEST(GradScaler, AParameterListedTwiceIsUnscaledOnce) {
+  auto p = torch::tensor({3.0f, 4.0f}).requires_grad_();
+  torch::optim::SGD opt(std::vector<torch::Tensor>{p, p}, torch::optim::SGDOptions(1.0));
+  GradScaler scaler;
+  scaler.scale((p * p).sum() * 0.5).backward();
+  scaler.unscale_(opt);
+  EXPECT_TRUE(torch::equal(p.grad(), torch::tensor({3.0f, 4.0f})));
+}
+
 TEST(GradScaler, MisuseIsAnErrorThatChangesNothing) {
   auto p = torch::ones({4}).requires_grad_();
   torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.1));

@@ -109,6 +109,27 @@ TEST(CopyState, IntoTheSameFormatContinuesBitForBit) {
   }
 }
 
+// LibTorch's Module::parameters() lists a module used twice twice, and a LibTorch optimizer built over it
+// keeps one state for both entries; memsave's optimizers (the Trainer's) list each parameter once. The copy
+// takes each parameter's state once, in the order of first appearance.
+TEST(CopyState, ASourceListingAParameterTwiceGivesEachStateOnce) {
+  const Params a = make_params(1);
+  auto from = adamw()(Params{a[0], a[1], a[0], a[2]});
+  train(*from, a, 1, 3);
+  const Params b = clone(a);
+  auto to = adamw()(b);
+  copy_state(*from, *to);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto& x =
+        static_cast<const torch::optim::AdamWParamState&>(*from->state().at(a[i].unsafeGetTensorImpl()));
+    const auto& y =
+        static_cast<const torch::optim::AdamWParamState&>(*to->state().at(b[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(x.step(), y.step()) << i;
+    EXPECT_TRUE(torch::equal(x.exp_avg(), y.exp_avg())) << i;
+    EXPECT_TRUE(torch::equal(x.exp_avg_sq(), y.exp_avg_sq())) << i;
+  }
+}
+
 TEST(CopyState, ReplacesWhatTheTargetHeld) {
   // The source never stepped parameter 2 (no gradient); the target had: after the copy it has no state for
   // it, and its next step starts it afresh, as the source's would.

@@ -426,6 +426,47 @@ TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kLong)}); }).find("Long"), std::string::npos);
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kComplexFloat)}); }).find("ComplexFloat"),
             std::string::npos);
+  // A double parameter is refused at construction, not first at the step.
+  EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kDouble)}); }).find("got Double"),
+            std::string::npos);
+}
+
+// LibTorch's Module::parameters() lists a module used twice twice. Given such a list, an optimizer would make
+// two states for one parameter (the second replacing the first while the step still wrote through it) and
+// step it twice; memsave's refuse it, within a group or across groups, also when add_param_group brought it
+// in.
+TEST(BadInput, AParameterListedTwiceOrWithSharedMemoryIsRefusedAndNothingChanges) {
+  using V = std::vector<torch::Tensor>;
+  using Group = torch::optim::OptimizerParamGroup;
+  auto p = torch::randn({5000}).requires_grad_();
+  auto q = torch::randn({5000}).requires_grad_();
+  p.mutable_grad() = torch::randn_like(p);
+  q.mutable_grad() = torch::randn_like(q);
+  EXPECT_NE(message([&] {
+              AdamW8bit(V{p, q, p});
+            }).find("parameter 2 of group 0 is also parameter 0 of group 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              Lion8bit(std::vector<Group>{Group(V{p}), Group(V{q, p})});
+            }).find("parameter 1 of group 1 is also parameter 0 of group 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] { memsave::OffloadOptimizer(V{q, q}); }).find("listed twice"), std::string::npos);
+  EXPECT_EQ(memsave::unique_parameters(V{p, q, p, q}).size(), 2u);
+  EXPECT_TRUE(memsave::unique_parameters(V{q, p, q})[0].is_same(q));
+
+  AdamW8bit opt(V{p});
+  opt.add_param_group(Group(V{q, p}));
+  const auto p0 = p.detach().clone(), q0 = q.detach().clone();
+  EXPECT_NE(message([&] { opt.step(); }).find("is also parameter"), std::string::npos);
+  EXPECT_TRUE(torch::equal(p.detach(), p0));
+  EXPECT_TRUE(torch::equal(q.detach(), q0));
+  EXPECT_TRUE(opt.state().empty());
+
+  // An expanded tensor: its elements share memory, so a step has nowhere to write them.
+  auto expanded = torch::zeros({1}).expand({5000}).requires_grad_();
+  expanded.mutable_grad() = torch::ones({5000});
+  EXPECT_NE(message([&] { AdamW8bit(V{expanded}); }).find("share memory"), std::string::npos);
+  EXPECT_NE(message([&] { memsave::OffloadOptimizer(V{expanded}); }).find("share memory"), std::string::npos);
 }
 
 // Also run with MEMSAVE_CPU_ISA=avx-2 (tests/CMakeLists.txt, ".unknown"): every optimizer then refuses to

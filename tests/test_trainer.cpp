@@ -126,6 +126,39 @@ TEST(Accumulate, ClippingBoundsTheWindowsGradientAndReportsItsNormBefore) {
             1e-5);
 }
 
+// A LibTorch optimizer over a module used twice lists its weights twice; the window's correction and clipping
+// still touch each gradient once, and its norm counts it once.
+TEST(Accumulate, AParameterListedTwiceIsCorrectedAndClippedOnce) {
+  torch::manual_seed(0);
+  tnn::Linear shared(6, 6);
+  auto net = tnn::Sequential(shared, tnn::Tanh(), shared, tnn::Tanh(), tnn::Linear(6, 4));
+  const auto x = torch::randn({12, 6}), y = torch::randint(4, {12});
+  const auto unique = unique_parameters(net->parameters());
+  for (auto& p : unique) p.mutable_grad() = torch::Tensor();
+  F::cross_entropy(net->forward(x), y).backward();
+  std::vector<torch::Tensor> expected;
+  for (const auto& p : unique) expected.push_back(p.grad().clone());
+  const double norm = global_norm(expected);
+
+  Recorder rec(net->parameters());  // six tensors, two of them twice
+  ASSERT_EQ(rec.param_groups()[0].params().size(), 6u);
+  rec.zero_grad();
+  GradientAccumulator acc(rec, AccumulateOptions().window(2).max_grad_norm(norm / 2));
+  std::optional<WindowStep> window;
+  // Micro-batches of 4 and 8 items in a window expecting 2 x 4: the window corrects by 8 / 12.
+  for (const auto& part : {x.narrow(0, 0, 4), x.narrow(0, 4, 8)}) {
+    const auto target = part.size(0) == 4 ? y.narrow(0, 0, 4) : y.narrow(0, 4, 8);
+    window = acc.backward(F::cross_entropy(net->forward(part), target), part.size(0));
+  }
+  ASSERT_TRUE(window.has_value());
+  EXPECT_NEAR(window->grad_norm, norm, 1e-5 * norm);
+  std::vector<torch::Tensor> got;
+  for (const auto& g : rec.grads) got.push_back(g);
+  const std::vector<torch::Tensor> halved = {expected[0] * 0.5, expected[1] * 0.5, expected[0] * 0.5,
+                                             expected[1] * 0.5, expected[2] * 0.5, expected[3] * 0.5};
+  EXPECT_LT(relative_error(got, halved), 1e-5);
+}
+
 TEST(Accumulate, AWindowStartsFromZeroGradients) {
   // Gradients left by a backward before the window (a plain loop's last step, an evaluation) are not the
   // window's: its step sees its own micro-batches' gradient alone, the first window as every later one.
@@ -351,6 +384,54 @@ TEST(Trainer, AccumulationGivesTheFullBatchStep) {
   };
   const auto full = run(30), micro = run(8);
   for (size_t i = 0; i < full.size(); ++i) EXPECT_TRUE(torch::allclose(full[i], micro[i], 1e-5, 1e-7)) << i;
+}
+
+// A module used twice (layers sharing weights): LibTorch's parameters() lists its weights twice, and a plain
+// LibTorch loop over that list steps them twice per step and clips with their gradient counted twice. The
+// Trainer steps and clips each weight once: a plain loop over the unique parameters, bit for bit.
+TEST(Trainer, AModuleUsedTwiceIsSteppedOnce) {
+  const double lr = 1e-2, weight_decay = 1e-2, max_norm = 0.05;
+  torch::manual_seed(3);
+  const auto x = torch::randn({16, 64}), y = torch::randint(64, {16});  // 64 x 64 weights: 8-bit state
+  using Make = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+  const std::vector<std::pair<Recipe, Make>> cases = {
+      {Recipe(),
+       [&](std::vector<torch::Tensor> p) {
+         return std::make_unique<torch::optim::AdamW>(
+             p, torch::optim::AdamWOptions(lr).weight_decay(weight_decay));
+       }},
+      {Recipe().state_bits(8),
+       [&](std::vector<torch::Tensor> p) {
+         return std::make_unique<optim::AdamW8bit>(p, optim::AdamW8bitOptions(lr).weight_decay(weight_decay));
+       }},
+      {Recipe().offload(Offload::kOptimizerState), [&](std::vector<torch::Tensor> p) {
+         return std::make_unique<OffloadOptimizer>(p, OffloadOptimizerOptions(lr).weight_decay(weight_decay));
+       }}};
+  for (const auto& [recipe, make] : cases) {
+    SCOPED_TRACE(recipe.label());
+    auto model = [] {
+      torch::manual_seed(0);
+      tnn::Linear shared(64, 64);
+      return tnn::Sequential(shared, tnn::Tanh(), shared, tnn::Tanh(), tnn::Linear(64, 64));
+    };
+    auto net = model(), reference = model();
+    ASSERT_EQ(net->parameters().size(), 6u);  // the shared layer's two tensors, twice
+    std::vector<torch::Tensor> unique = unique_parameters(reference->parameters());
+    ASSERT_EQ(unique.size(), 4u);
+    auto opt = make(unique);
+
+    Trainer trainer(net, adamw(lr, weight_decay), Recipe(recipe).max_grad_norm(max_norm));
+    for (int step = 0; step < 3; ++step) {
+      const double norm = trainer.step(x, y, ce).grad_norm;
+      opt->zero_grad();
+      ce(reference->forward(x), y).backward();
+      const double expected = torch::nn::utils::clip_grad_norm_(unique, max_norm);
+      EXPECT_DOUBLE_EQ(norm, expected) << step;
+      opt->step();
+    }
+    const auto got = unique_parameters(net->parameters());
+    for (size_t i = 0; i < unique.size(); ++i) EXPECT_TRUE(torch::equal(got[i], unique[i])) << i;
+  }
 }
 
 TEST(Trainer, MicroBatchesLowerThePeak) {

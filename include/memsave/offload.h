@@ -78,6 +78,8 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
 
 class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
  public:
+  /// `params`: leaf tensors on one device, each listed once (memsave::unique_parameters); those offloaded
+  /// (min_offload_size) float32, float16 or bfloat16 with memory of their own (not expanded).
   explicit OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options = {});
   ~OffloadOptimizer() override;
   /// NOTE: copying would duplicate or alias the host state; move the optimizer or hold it by pointer.

@@ -27,6 +27,16 @@
 #include <unordered_set>
 #include <vector>
 
+namespace memsave {
+
+/// `params` with each tensor once, in the order of their first appearance. LibTorch's Module::parameters()
+/// lists the parameters of a module used twice (layers sharing weights) twice; LibTorch's optimizers then
+/// step them twice per step and clip_grad_norm_ counts them twice. memsave's optimizers refuse such a list;
+/// the Trainer and the rescue pass their optimizers this one.
+std::vector<torch::Tensor> unique_parameters(const std::vector<torch::Tensor>& params);
+
+}  // namespace memsave
+
 namespace memsave::optim {
 
 namespace detail {
