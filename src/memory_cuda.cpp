@@ -74,7 +74,12 @@ void ready(c10::DeviceIndex index) {
 
 }  // namespace
 
-c10::DeviceIndex cuda_current_device() { return c10::cuda::current_device(); }
+c10::DeviceIndex cuda_current_device() {
+  // Without a device, asking for the current one fails with the CUDA runtime's own words (an old driver, no
+  // driver); say what is missing.
+  TORCH_CHECK(c10::cuda::device_count() > 0, "memsave: no CUDA device (0 present)");
+  return c10::cuda::current_device();
+}
 
 DeviceCounts cuda_counts(c10::DeviceIndex index) {
   ready(index);

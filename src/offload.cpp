@@ -468,6 +468,10 @@ void OffloadOptimizer::sync_hyper_parameters() {
 }
 
 torch::Tensor OffloadOptimizer::step(LossClosure closure) {
+  // Its masters, state and hooks are made for the parameters it was built over.
+  TORCH_CHECK(param_groups_.size() == 1, "OffloadOptimizer: ", param_groups_.size() - 1,
+              " parameter group(s) added after construction (add_param_group), whose parameters it has no "
+              "master weights or state for; build it over all the parameters");
   torch::NoGradGuard no_grad;
   torch::Tensor loss;
   if (closure) {

@@ -485,23 +485,39 @@ void step_cpu(const TensorStep& t) {
 
 }  // namespace detail
 
+void LowBitOptimizer::check_holds(const torch::Tensor& param, const char* method) const {
+  for (const auto& group : param_groups_) {
+    for (const auto& p : group.params()) {
+      if (p.is_same(param)) return;
+    }
+  }
+  TORCH_CHECK(false, kind_name(static_cast<int32_t>(kind_), bits_), "::", method,
+              ": the tensor given (shape ", param.sizes(), ") is not a parameter of this optimizer");
+}
+
 void LowBitOptimizer::force_32bit(const torch::Tensor& param) {
-  forced_32bit_.insert(param.unsafeGetTensorImpl());
+  check_holds(param, "force_32bit");
   const auto it = state_.find(param.unsafeGetTensorImpl());
-  if (it == state_.end()) return;
-  auto& s = static_cast<QuantizedParamState&>(*it->second);
-  if (!s.quantized()) return;
-  const std::vector<torch::Tensor> fp32 = state_fp32(param);
-  auto fresh = std::make_unique<QuantizedParamState>();
-  fresh->step(s.step());
-  fresh->m(fp32[0].reshape({-1}).contiguous());
-  if (fp32.size() > 1) fresh->v(fp32[1].reshape({-1}).contiguous());
-  it->second = std::move(fresh);
+  if (it != state_.end() && static_cast<QuantizedParamState&>(*it->second).quantized()) {
+    // Built before anything changes: running out of memory here leaves the 8-bit state in place.
+    const std::vector<torch::Tensor> fp32 = state_fp32(param);
+    auto fresh = std::make_unique<QuantizedParamState>();
+    fresh->step(static_cast<QuantizedParamState&>(*it->second).step());
+    fresh->m(fp32[0].reshape({-1}).contiguous());
+    if (fp32.size() > 1) fresh->v(fp32[1].reshape({-1}).contiguous());
+    forced_32bit_.insert(param.unsafeGetTensorImpl());
+    it->second = std::move(fresh);
+    return;
+  }
+  forced_32bit_.insert(param.unsafeGetTensorImpl());
 }
 
 std::vector<torch::Tensor> LowBitOptimizer::state_fp32(const torch::Tensor& param) const {
   const auto it = state_.find(param.unsafeGetTensorImpl());
-  if (it == state_.end()) return {};
+  if (it == state_.end()) {
+    check_holds(param, "state_fp32");  // only here: state is kept for parameters only
+    return {};
+  }
   const auto& s = static_cast<const QuantizedParamState&>(*it->second);
   std::vector<torch::Tensor> out;
   if (!s.quantized()) {

@@ -9,6 +9,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -210,6 +211,26 @@ TEST(Budget, AnOutOfMemoryInsideAStepLeavesTheModelAsItWas) {
         c10::OutOfMemoryError);
   }
   EXPECT_TRUE(torch::equal(model->weight, before));
+}
+
+// On a machine without a GPU, asking the meter about CUDA says so in memsave's words, whichever device is
+// named (the CUDA runtime's own error about an insufficient driver is no help).
+TEST(Meter, CudaWithoutADeviceIsAClearError) {
+  if (torch::cuda::is_available()) GTEST_SKIP() << "a CUDA device is present";
+  const std::vector<std::function<void()>> calls = {
+      [] { memory_stats(torch::kCUDA); }, [] { PeakScope scope(torch::kCUDA); },
+      [] { reset_peak(torch::Device(torch::kCUDA, 0)); }, [] { ScopedBudget budget(torch::kCUDA, 1 << 20); }};
+  for (const auto& call : calls) {
+    try {
+      call();
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      const std::string what = e.what();
+      EXPECT_TRUE(what.rfind("memsave: no CUDA device", 0) == 0 ||
+                  what.rfind("memsave: this build has no CUDA", 0) == 0)
+          << what.substr(0, 200);
+    }
+  }
 }
 
 TEST(PeakScope, MeasuresFromItsStartAndNests) {

@@ -732,6 +732,22 @@ TEST(OffloadErrors, BadInputIsRejected) {
   static_cast<OffloadOptimizerOptions&>(opt.param_groups()[0].options()).state_bits(8);  // 32 -> 8: allowed
   opt.step();
   EXPECT_FALSE(torch::equal(p, torch::zeros({4, 3})));
+
+  // A double parameter would come back rounded to its fp32 master at every step.
+  EXPECT_THROW(OffloadOptimizer({torch::zeros({4}, torch::kDouble).requires_grad_()}), c10::Error);
+  // A group added later has no masters or state: stepping it would silently leave it behind.
+  auto q = torch::zeros({5}, torch::requires_grad());
+  q.mutable_grad() = torch::ones({5});
+  const auto p1 = p.detach().clone();
+  opt.add_param_group(torch::optim::OptimizerParamGroup({q}));
+  try {
+    opt.step();
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1 parameter group(s) added after construction"), std::string::npos);
+  }
+  EXPECT_TRUE(torch::equal(p, p1));
+  EXPECT_TRUE(torch::equal(q, torch::zeros({5})));
 }
 
 TEST(Offload, TheTrainerOffloadsWithARecipe) {

@@ -165,6 +165,17 @@ TEST(EightBit, KeepsAbout2BytesOfStatePerParameter) {
   EXPECT_EQ(counted, state);
 }
 
+/// The message of the c10::Error `call` throws, or "(accepted)".
+template <typename Call>
+std::string message(Call&& call) {
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "(accepted)";
+}
+
 TEST(EightBit, SmallTensorsAndForcedOnesKeepFp32State) {
   auto big = torch::randn({8192}).requires_grad_();
   auto small = torch::randn({100}).requires_grad_();
@@ -187,6 +198,14 @@ TEST(EightBit, SmallTensorsAndForcedOnesKeepFp32State) {
   EXPECT_FALSE(state(big).quantized());
   EXPECT_TRUE(torch::equal(opt.state_fp32(big)[0], before[0]));
   EXPECT_TRUE(torch::equal(opt.state_fp32(big)[1], before[1]));
+  // A tensor that is not a parameter (a copy of one included) is an error, not silently nothing.
+  const auto copy = small.detach().clone();
+  EXPECT_NE(message([&] { opt.force_32bit(copy); })
+                .find("Adam8bit::force_32bit: the tensor given (shape [100]) "
+                      "is not a parameter of this optimizer"),
+            std::string::npos);
+  EXPECT_NE(message([&] { opt.state_fp32(copy); }).find("not a parameter"), std::string::npos);
+  EXPECT_TRUE(state(small).m().scalar_type() == torch::kFloat);
 }
 
 TEST(EightBit, StateReadsBackCloseToTheFp32Moments) {
@@ -205,17 +224,6 @@ TEST(EightBit, StateReadsBackCloseToTheFp32Moments) {
   // (0.9 / 64 / 2 in the top decade) times the block's absmax
   EXPECT_LE(relative_error(m8[0], m32[0]), 0.00704);
   EXPECT_EQ(m8[0].sizes(), p8.sizes());
-}
-
-/// The message of the c10::Error `call` throws, or "(accepted)".
-template <typename Call>
-std::string message(Call&& call) {
-  try {
-    call();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "(accepted)";
 }
 
 void load(torch::optim::Optimizer& opt, const std::string& bytes) {

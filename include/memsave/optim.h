@@ -225,9 +225,11 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// an error that leaves this optimizer unchanged.
   void load(torch::serialize::InputArchive& archive) override;
 
-  /// Keeps `param`'s state in fp32 whatever its size; converts existing 8-bit state.
+  /// Keeps `param`'s state in fp32 whatever its size; converts existing 8-bit state. A tensor that is not one
+  /// of this optimizer's parameters is an error.
   void force_32bit(const torch::Tensor& param);
-  /// `param`'s state as fp32 tensors of its shape: {m} or {m, v}; empty before its first step.
+  /// `param`'s state as fp32 tensors of its shape: {m} or {m, v}; empty before its first step. A tensor that
+  /// is not one of this optimizer's parameters is an error.
   std::vector<torch::Tensor> state_fp32(const torch::Tensor& param) const;
   /// Every state tensor (codes, absmaxes, fp32 moments), for the memory meter.
   std::vector<torch::Tensor> state_tensors() const override;
@@ -251,6 +253,8 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
 
  private:
   friend struct detail::StateAccess;
+  /// An error naming `method` unless `param` is one of this optimizer's parameters.
+  void check_holds(const torch::Tensor& param, const char* method) const;
   torch::Tensor step_impl(LossClosure closure, const torch::Tensor& inv_scale);
   Kind kind_;
   int bits_;  ///< of quantized state: 8 or 4
