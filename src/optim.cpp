@@ -8,9 +8,11 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Type.h>
 #include <torch/torch.h>
 
 #include <cmath>
+#include <typeinfo>
 #include <unordered_map>
 
 namespace memsave {
@@ -163,6 +165,17 @@ bool same_adam(const Options& a, const Options& b) {
          min_size(a) == min_size(b);
 }
 
+/// A group's options as the optimizer's own type. A group given another optimizer's options (LibTorch's
+/// AdamWOptions in an AdamW8bit, say, left over from the loop it replaced) would otherwise be read as what it
+/// is not.
+template <typename Options>
+const Options& options_as(const torch::optim::OptimizerOptions& options, const char* name) {
+  const auto* own = dynamic_cast<const Options*>(&options);
+  TORCH_CHECK(own != nullptr, name, ": a parameter group's options are ",
+              c10::demangle(typeid(options).name()), ", not ", c10::demangle(typeid(Options).name()));
+  return *own;
+}
+
 template <typename Hyper, typename Options>
 Hyper adam_hyper(const Options& o) {
   Hyper h;
@@ -270,6 +283,12 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
                                  std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind,
                                  int bits)
     : Optimizer(groups, std::move(defaults)), kind_(kind), bits_(bits) {
+  // A group's own options are what it asked for. LibTorch 2.15 (not yet 2.11) builds each group's options as
+  // the defaults merged with the group's, and for optimizers other than its own keeps the defaults alone:
+  // every group would run with the defaults (a group without weight decay, say, would decay).
+  for (size_t g = 0; g < groups.size(); ++g) {
+    if (groups[g].has_options()) param_groups_[g].set_options(groups[g].options().clone());
+  }
   // A misspelt cap would otherwise run the best level without a word (the kernels read it at start-up).
   const char* unknown_isa = k::unknown_cpu_isa_request();
   TORCH_CHECK(unknown_isa == nullptr, kind_name(static_cast<int32_t>(kind_), bits_),
@@ -277,6 +296,22 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
               " names none of the CPU kernels' instruction sets: ", k::cpu_isa_levels(),
               " (unset or empty: the best the processor has)");
   check_parameters(param_groups_, kind_name(static_cast<int32_t>(kind_), bits_));
+}
+
+void LowBitOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
+  Optimizer::add_param_group(group);
+  if (group.has_options()) param_groups_.back().set_options(group.options().clone());
+  try {
+    check(hyper(param_groups_.back().options()), kind_);
+    check_parameters(param_groups_, kind_name(static_cast<int32_t>(kind_), bits_));
+  } catch (...) {
+    param_groups_.pop_back();  // a rejected group changes nothing
+    throw;
+  }
+}
+
+void LowBitOptimizer::check_groups() const {
+  for (const auto& group : param_groups_) check(hyper(group.options()), kind_);
 }
 
 void LowBitOptimizer::check(const Hyper& h, Kind kind) {
@@ -650,25 +685,28 @@ void LowBitOptimizer::load(InputArchive& archive) {
 Adam8bit::Adam8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Adam8bitOptions defaults)
     : LowBitOptimizer(groups, std::make_unique<Adam8bitOptions>(defaults), Kind::kAdam) {
   check(hyper(defaults), Kind::kAdam);
+  check_groups();
 }
 LowBitOptimizer::Hyper Adam8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  return adam_hyper<Hyper>(static_cast<const Adam8bitOptions&>(options));
+  return adam_hyper<Hyper>(options_as<Adam8bitOptions>(options, "Adam8bit"));
 }
 
 AdamW8bit::AdamW8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamW8bitOptions defaults)
     : LowBitOptimizer(groups, std::make_unique<AdamW8bitOptions>(defaults), Kind::kAdamW) {
   check(hyper(defaults), Kind::kAdamW);
+  check_groups();
 }
 LowBitOptimizer::Hyper AdamW8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  return adam_hyper<Hyper>(static_cast<const AdamW8bitOptions&>(options));
+  return adam_hyper<Hyper>(options_as<AdamW8bitOptions>(options, "AdamW8bit"));
 }
 
 Lion8bit::Lion8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Lion8bitOptions defaults)
     : LowBitOptimizer(groups, std::make_unique<Lion8bitOptions>(defaults), Kind::kLion) {
   check(hyper(defaults), Kind::kLion);
+  check_groups();
 }
 LowBitOptimizer::Hyper Lion8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  const auto& o = static_cast<const Lion8bitOptions&>(options);
+  const auto& o = options_as<Lion8bitOptions>(options, "Lion8bit");
   Hyper h;
   h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas());
   h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = o.min_8bit_size();
@@ -678,9 +716,10 @@ LowBitOptimizer::Hyper Lion8bit::hyper(const torch::optim::OptimizerOptions& opt
 SGD8bit::SGD8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGD8bitOptions defaults)
     : LowBitOptimizer(groups, std::make_unique<SGD8bitOptions>(defaults), Kind::kSgd) {
   check(hyper(defaults), Kind::kSgd);
+  check_groups();
 }
 LowBitOptimizer::Hyper SGD8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  const auto& o = static_cast<const SGD8bitOptions&>(options);
+  const auto& o = options_as<SGD8bitOptions>(options, "SGD8bit");
   Hyper h;
   h.lr = o.lr(), h.beta1 = o.momentum(), h.dampening = o.dampening(), h.nesterov = o.nesterov();
   h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = o.min_8bit_size();
@@ -690,17 +729,19 @@ LowBitOptimizer::Hyper SGD8bit::hyper(const torch::optim::OptimizerOptions& opti
 Adam4bit::Adam4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Adam4bitOptions defaults)
     : LowBitOptimizer(groups, std::make_unique<Adam4bitOptions>(defaults), Kind::kAdam, /*bits=*/4) {
   check(hyper(defaults), Kind::kAdam);
+  check_groups();
 }
 LowBitOptimizer::Hyper Adam4bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  return adam_hyper<Hyper>(static_cast<const Adam4bitOptions&>(options));
+  return adam_hyper<Hyper>(options_as<Adam4bitOptions>(options, "Adam4bit"));
 }
 
 AdamW4bit::AdamW4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, AdamW4bitOptions defaults)
     : LowBitOptimizer(groups, std::make_unique<AdamW4bitOptions>(defaults), Kind::kAdamW, /*bits=*/4) {
   check(hyper(defaults), Kind::kAdamW);
+  check_groups();
 }
 LowBitOptimizer::Hyper AdamW4bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  return adam_hyper<Hyper>(static_cast<const AdamW4bitOptions&>(options));
+  return adam_hyper<Hyper>(options_as<AdamW4bitOptions>(options, "AdamW4bit"));
 }
 
 }  // namespace memsave::optim

@@ -434,9 +434,65 @@ TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kLong)}); }).find("Long"), std::string::npos);
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kComplexFloat)}); }).find("ComplexFloat"),
             std::string::npos);
+  // A group's own options: checked at construction, and of the optimizer's own type (LibTorch's AdamWOptions
+  // left over from the loop an AdamW8bit replaced would otherwise be read as what they are not).
+  using Group = torch::optim::OptimizerParamGroup;
+  EXPECT_NE(message([&] {
+              AdamW8bit(std::vector<Group>{Group(V{p}, std::make_unique<AdamW8bitOptions>(-2))});
+            }).find("learning rate: -2"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              AdamW8bit(std::vector<Group>{Group(V{p}, std::make_unique<torch::optim::AdamWOptions>(1e-3))});
+            })
+                .find("AdamW8bit: a parameter group's options are torch::optim::AdamWOptions, not "
+                      "memsave::optim::AdamW8bitOptions"),
+            std::string::npos);
+  {
+    auto q = torch::randn({10}).requires_grad_();
+    Lion8bit opt(V{p});
+    EXPECT_NE(message([&] {
+                opt.add_param_group(Group(V{q}, std::make_unique<torch::optim::SGDOptions>(0.1)));
+              }).find("not memsave::optim::Lion8bitOptions"),
+              std::string::npos);
+    EXPECT_NE(message([&] {
+                opt.add_param_group(Group(V{q}, std::make_unique<Lion8bitOptions>(-1)));
+              }).find("learning rate: -1"),
+              std::string::npos);
+    EXPECT_EQ(opt.param_groups().size(), 1u);  // nothing added
+  }
   // A double parameter is refused at construction, not first at the step.
   EXPECT_NE(message([&] { AdamW8bit(V{torch::zeros({4}, torch::kDouble)}); }).find("got Double"),
             std::string::npos);
+}
+
+// Each group steps with its own options (no weight decay for one, another learning rate), whether given at
+// construction or added later: as two optimizers, one per group, bit for bit. (LibTorch 2.15's Optimizer
+// gives the groups of an optimizer other than its own the defaults.)
+TEST(EightBit, EachGroupStepsWithItsOwnOptions) {
+  using V = std::vector<torch::Tensor>;
+  using Group = torch::optim::OptimizerParamGroup;
+  torch::manual_seed(0);
+  const auto a0 = torch::randn({6000}), b0 = torch::randn({5000}), c0 = torch::randn({4500});
+  auto a = a0.clone().requires_grad_(), b = b0.clone().requires_grad_(), c = c0.clone().requires_grad_();
+  auto ra = a0.clone().requires_grad_(), rb = b0.clone().requires_grad_(), rc = c0.clone().requires_grad_();
+  const auto defaults = AdamW8bitOptions(1e-2).weight_decay(0.1);
+  const auto no_decay = AdamW8bitOptions(3e-3).weight_decay(0).betas({0.8, 0.99}).block_size(512);
+  const auto other = AdamW8bitOptions(5e-3).weight_decay(0.5);
+  AdamW8bit opt(std::vector<Group>{Group(V{a}), Group(V{b}, std::make_unique<AdamW8bitOptions>(no_decay))},
+                defaults);
+  opt.add_param_group(Group(V{c}, std::make_unique<AdamW8bitOptions>(other)));
+  AdamW8bit ref_a(V{ra}, defaults), ref_b(V{rb}, no_decay), ref_c(V{rc}, other);
+  for (int t = 0; t < 3; ++t) {
+    for (auto* pair : {&a, &b, &c}) pair->mutable_grad() = torch::randn_like(*pair);
+    ra.mutable_grad() = a.grad().clone(), rb.mutable_grad() = b.grad().clone(),
+    rc.mutable_grad() = c.grad().clone();
+    opt.step();
+    ref_a.step(), ref_b.step(), ref_c.step();
+  }
+  EXPECT_TRUE(torch::equal(a.detach(), ra.detach()));
+  EXPECT_TRUE(torch::equal(b.detach(), rb.detach()));
+  EXPECT_TRUE(torch::equal(c.detach(), rc.detach()));
+  EXPECT_EQ(static_cast<const AdamW8bitOptions&>(opt.param_groups()[1].options()).block_size(), 512);
 }
 
 // LibTorch's Module::parameters() lists a module used twice twice. Given such a list, an optimizer would make
@@ -463,7 +519,13 @@ TEST(BadInput, AParameterListedTwiceOrWithSharedMemoryIsRefusedAndNothingChanges
   EXPECT_TRUE(memsave::unique_parameters(V{q, p, q})[0].is_same(q));
 
   AdamW8bit opt(V{p});
-  opt.add_param_group(Group(V{q, p}));
+  EXPECT_NE(message([&] {
+              opt.add_param_group(Group(V{q, p}));
+            }).find("is also parameter"),
+            std::string::npos);
+  EXPECT_EQ(opt.param_groups().size(), 1u);
+  // Through a LibTorch reference, LibTorch's add_param_group (not virtual) adds it: the step refuses it.
+  static_cast<torch::optim::Optimizer&>(opt).add_param_group(Group(V{q, p}));
   const auto p0 = p.detach().clone(), q0 = q.detach().clone();
   EXPECT_NE(message([&] { opt.step(); }).find("is also parameter"), std::string::npos);
   EXPECT_TRUE(torch::equal(p.detach(), p0));

@@ -225,6 +225,12 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// an error that leaves this optimizer unchanged.
   void load(torch::serialize::InputArchive& archive) override;
 
+  /// LibTorch's add_param_group, but the group keeps its own options (LibTorch 2.15's replaces them with the
+  /// defaults for optimizers other than its own), and a group with bad options or a parameter already held is
+  /// an error that adds nothing. NOTE: it hides the base's, which is not virtual: called through a
+  /// torch::optim::Optimizer reference, LibTorch's runs (the group gets the defaults, a bad one fails at
+  /// step).
+  void add_param_group(const torch::optim::OptimizerParamGroup& group);
   /// Keeps `param`'s state in fp32 whatever its size; converts existing 8-bit state. A tensor that is not one
   /// of this optimizer's parameters is an error.
   void force_32bit(const torch::Tensor& param);
@@ -250,6 +256,8 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   virtual Hyper hyper(const torch::optim::OptimizerOptions& options) const = 0;
   /// Checks a group's hyper-parameters (constructor and every step), naming the bad one.
   static void check(const Hyper& h, Kind kind);
+  /// check() of every group's options (the derived constructors: a bad group is an error at construction).
+  void check_groups() const;
 
  private:
   friend struct detail::StateAccess;
