@@ -534,7 +534,8 @@ void LowBitOptimizer::force_32bit(const torch::Tensor& param) {
   check_holds(param, "force_32bit");
   const auto it = state_.find(param.unsafeGetTensorImpl());
   if (it != state_.end() && static_cast<QuantizedParamState&>(*it->second).quantized()) {
-    // Built before anything changes: running out of memory here leaves the 8-bit state in place.
+    // Built before anything changes: running out of memory here, or in the insert, leaves the quantized
+    // state in place; the move that replaces it cannot throw.
     const std::vector<torch::Tensor> fp32 = state_fp32(param);
     auto fresh = std::make_unique<QuantizedParamState>();
     fresh->step(static_cast<QuantizedParamState&>(*it->second).step());
