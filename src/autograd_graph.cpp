@@ -21,7 +21,8 @@ std::unordered_map<const torch::autograd::Node*, int64_t>& held() {
 
 }  // namespace
 
-GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_node) {
+GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_node,
+                       const std::unordered_set<const torch::autograd::Node*>& stops) {
   GraphSince graph;
   std::unordered_set<const torch::autograd::Node*> seen;
   std::vector<const torch::autograd::Node*> stack;
@@ -35,6 +36,7 @@ GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_no
       graph.leaves.push_back(leaf->variable);
       continue;
     }
+    if (stops.count(node)) continue;
     if (node->sequence_nr() < first_node) {
       if (graph.outside == nullptr) graph.outside = node;
       continue;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -19,13 +20,15 @@ namespace memsave::detail {
 /// The graph behind `outputs` from its nodes made from `first_node` on (what one piece of a forward built):
 /// the leaves it reaches (the variables of gradient accumulators, each once, in the order found), how many of
 /// its nodes' edges lead into each accumulator, and the first node made before `first_node` that it reaches
-/// (nullptr: none), where the walk stops.
+/// (nullptr: none), where the walk stops. The walk also stops, without counting them as outside, at the nodes
+/// in `stops` (where a recomputation's graph joins the caller's through its inputs).
 struct GraphSince {
   std::vector<at::Tensor> leaves;
   std::unordered_map<const torch::autograd::Node*, int64_t> edges_into;
   const torch::autograd::Node* outside = nullptr;
 };
-GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_node);
+GraphSince graph_since(const std::vector<at::Tensor>& outputs, uint64_t first_node,
+                       const std::unordered_set<const torch::autograd::Node*>& stops = {});
 
 /// A post hook on a parameter's gradient accumulator that does nothing when the accumulator runs without a
 /// gradient, as it does in the outer backward after a checkpointed piece added the gradient in its own

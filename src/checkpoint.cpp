@@ -326,8 +326,22 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     } else {
       inputs = ctx->get_saved_variables();
     }
-    for (size_t i = 0; i < inputs.size(); ++i)
-      inputs[i] = inputs[i].detach().requires_grad_(r->input_requires_grad[i]);
+    // Under create_graph the gradients must stay differentiable in the inputs (a double backward, a gradient
+    // penalty): the recomputation then runs on views of the inputs that require grad, through which its graph
+    // joins the caller's, and the walk of its graph stops there. Otherwise it runs on detached inputs.
+    std::unordered_set<const torch::autograd::Node*> joins;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (create_graph && r->input_requires_grad[i]) {
+        TORCH_CHECK(
+            !r->options.offload_inputs(), "checkpoint: a backward with create_graph through a piece ",
+            "whose inputs were offloaded (offload_inputs) would lose the gradients' dependence on input ", i,
+            "; checkpoint it with offload_inputs off");
+        inputs[i] = inputs[i].view_as(inputs[i]);
+        joins.insert(inputs[i].grad_fn().get());
+      } else {
+        inputs[i] = inputs[i].detach().requires_grad_(r->input_requires_grad[i]);
+      }
+    }
 
     // NOTE: the buffers are put back only after the gradients are computed: BatchNorm's backward checks the
     // version of the running statistics it saved.
@@ -353,7 +367,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     std::vector<at::Tensor> targets;
     for (size_t i = 0; i < inputs.size(); ++i)
       if (r->input_requires_grad[i]) targets.push_back(inputs[i]);
-    const detail::GraphSince graph = detail::graph_since(outputs, first_node);
+    const detail::GraphSince graph = detail::graph_since(outputs, first_node, joins);
     const std::vector<at::Tensor> extra = leaves_behind(graph, inputs);
     std::unordered_set<const c10::TensorImpl*> parameters;
     for (const at::Tensor& p : r->parameters) parameters.insert(p.unsafeGetTensorImpl());
@@ -396,7 +410,10 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     torch::autograd::edge_list wanted;
     std::vector<size_t> reached;
     for (size_t i = 0; i < targets.size(); ++i) {
-      if (compat::NodeRef accumulator = torch::autograd::impl::try_get_grad_accumulator(targets[i])) {
+      if (targets[i].grad_fn()) {  // an input's view (create_graph)
+        wanted.push_back(torch::autograd::impl::gradient_edge(targets[i]));
+        reached.push_back(i);
+      } else if (compat::NodeRef accumulator = torch::autograd::impl::try_get_grad_accumulator(targets[i])) {
         wanted.emplace_back(std::move(accumulator), 0);
         reached.push_back(i);
       }

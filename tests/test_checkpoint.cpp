@@ -175,6 +175,45 @@ TEST(Checkpoint, WorksWithAutogradGrad) {
   for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());  // grad() accumulates nothing
 }
 
+TEST(Checkpoint, DoubleBackwardThroughRecomputedPiecesMatchesThePlainGraph) {
+  // A gradient penalty: the first gradients are built with create_graph and differentiated again. The second
+  // recomputed piece's input comes from the first: its gradients must stay differentiable in that input, or
+  // the first piece's weights and the model's input lose their second-order terms.
+  auto make = [] {
+    return tnn::Sequential(tnn::Linear(6, 8), tnn::Tanh(), tnn::Linear(8, 8), tnn::Tanh(), tnn::Linear(8, 3));
+  };
+  auto [plain, wrapped] = twins(make);
+  auto net = checkpoint_sequential(wrapped, 3);  // recomputes [linear, tanh] twice; keeps the last linear
+  const auto input = torch::randn({5, 6});
+  auto second_order = [&](auto& model) {
+    const auto x = input.clone().requires_grad_();
+    std::vector<torch::Tensor> wrt = model->parameters();
+    wrt.push_back(x);
+    const auto first = torch::autograd::grad({model->forward(x).square().sum()}, wrt, {}, true, true);
+    torch::Tensor penalty = torch::zeros({});
+    for (const auto& g : first) penalty = penalty + g.square().sum();
+    return torch::autograd::grad({penalty}, wrt);
+  };
+  const auto expected = second_order(plain);
+  const auto actual = second_order(net);
+  ASSERT_EQ(expected.size(), actual.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    SCOPED_TRACE("tensor " + std::to_string(i));
+    ASSERT_TRUE(actual[i].defined());
+    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 1e-5, 1e-7)) << (actual[i] - expected[i]).abs().max();
+  }
+
+  // Offloaded inputs are copies without the caller's graph: the same backward is refused, not half done.
+  auto offloaded = checkpoint_sequential(make(), 3, CheckpointOptions().offload_inputs(true));
+  const auto x = input.clone().requires_grad_();
+  try {
+    torch::autograd::grad({offloaded->forward(x).square().sum()}, {x}, {}, true, true);
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("offload_inputs"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Checkpoint, NestedCheckpointsAreBitIdentical) {
   auto [plain, wrapped] = twins(mlp);
   // The outer checkpoint covers the whole MLP; inside it, each Linear is checkpointed again.

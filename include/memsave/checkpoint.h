@@ -10,6 +10,8 @@
 // Gradients are bit-identical to running without checkpointing: the recomputation replays the forward's RNG
 // state (dropout masks) and autocast state, and the parameters used are inputs of the autograd node, so they
 // receive gradients even when no input requires grad, through `backward()` and `torch::autograd::grad` alike.
+// Under `create_graph` the gradients stay differentiable in the inputs and the parameters (a double backward
+// matches the plain graph's to rounding), except through offloaded inputs (`offload_inputs`), an error there.
 // Buffers the module updates in place (BatchNorm running statistics) change once per forward, not again in
 // the recomputation. Without grad mode (and, for the module wrappers, in eval()) nothing is checkpointed.
 // Under autocast a piece runs with autocast's cache of cast weights off, so its casts go with the piece
