@@ -22,6 +22,7 @@
 #include <memory>
 #include <mutex>
 #include <ostream>
+#include <string>
 #include <unordered_set>
 #include <utility>
 
@@ -462,7 +463,9 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
   r->num_inputs = inputs.size();
   r->buffers = std::move(buffers);
   std::vector<at::Tensor> leaves;
+  std::vector<int64_t> versions;  // an input the function modifies would be recomputed from its new value
   for (const at::Tensor& x : inputs) {
+    versions.push_back(x._version());
     r->input_requires_grad.push_back(x.requires_grad());
     leaves.push_back(x.detach().requires_grad_(x.requires_grad()));
     add_device(r->cuda_devices, x);
@@ -473,9 +476,19 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
 
   const uint64_t first_node = at::sequence_number::peek();
   std::vector<at::Tensor> outputs;
-  {
+  try {
     NoCastCache no_cache;
     outputs = run(fn, leaves);
+  } catch (c10::Error& e) {
+    // The function's inputs are leaves here: LibTorch's own error for an in-place operation on one of them
+    // (a ReLU(inplace) at the start of a piece) does not say where the leaf came from.
+    if (std::string(e.what()).find("leaf Variable that requires grad is being used in an in-place") !=
+        std::string::npos)
+      e.add_context(
+          "checkpoint: the function modifies one of its inputs in place; the recomputation would "
+          "start from the modified value. Make that operation out of place, or start the piece "
+          "after it");
+    throw;
   }
   r->parameters = leaves_behind(detail::graph_since(outputs, first_node), leaves);
   for (const at::Tensor& p : r->parameters)
@@ -488,6 +501,11 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
       !r->parameters.empty() ||
       std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) { return x.requires_grad(); });
   if (!needs_grad) return outputs;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    TORCH_CHECK(inputs[i]._version() == versions[i], "checkpoint: the function modified input ", i,
+                " (shape ", inputs[i].sizes(),
+                ") in place; the recomputation would start from the modified value and ",
+                "give other gradients. Make that operation out of place, or start the piece after it");
   for (at::Tensor& out : outputs) out = out.detach();  // drops the graph: only the values are kept
   r->forward_outputs = std::move(outputs);
 

@@ -577,6 +577,35 @@ TEST(CheckpointErrors, CapturedTensorComputedOutsideTheFunction) {
   }
 }
 
+TEST(CheckpointErrors, AnInputModifiedInPlaceByTheFunction) {
+  // An input without grad (raw data scaled in place): the recomputation would scale it again and the
+  // weight's gradient would be wrong without a word.
+  auto w = torch::randn({4}, torch::requires_grad());
+  auto x = torch::randn({4});
+  try {
+    checkpoint([&](at::TensorList in) { return std::vector<torch::Tensor>{(in[0].mul_(2) * w).sin()}; }, {x});
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("modified input 0 (shape [4]) in place"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(w.grad().defined());
+
+  // An input with grad: a piece that starts with an in-place ReLU gets LibTorch's error with what it means
+  // here.
+  nn::CheckpointSequential net(
+      tnn::Sequential(tnn::Linear(4, 4), tnn::ReLU(tnn::ReLUOptions().inplace(true)), tnn::Linear(4, 2)),
+      std::vector<nn::CheckpointSequentialImpl::Segment>{{0, 1, true}, {1, 3, true}});
+  try {
+    net->forward(torch::randn({3, 4}));
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("checkpoint: the function modifies one of its inputs in place"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CheckpointErrors, BadSegmentCounts) {
   EXPECT_THROW(checkpoint_sequential(mlp(), 0), c10::Error);
   EXPECT_THROW(checkpoint_sequential(mlp(), 6), c10::Error);
