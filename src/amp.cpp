@@ -189,11 +189,13 @@ bool GradScaler::step_fused(optim::LowBitOptimizer& optimizer) {
     const torch::Tensor bad = torch::stack(checks).isfinite().logical_not().any().to(torch::kFloat);
     found_inf.add_(bad.to(found_inf.device()));
   }
+  const bool clean = found_inf.item<float>() == 0.0f;
+  // NOTE: the stage changes once the optimizer has stepped, as after an unscale: a step it refuses (or one
+  // that runs out of memory, which changes no parameter) can be tried again.
+  if (clean) optimizer.step_scaled(scale_.to(torch::kDouble).reciprocal().to(torch::kFloat));
   OptimizerState& state = optimizers_[&optimizer];
   state.found_inf = found_inf;
   state.stage = Stage::kStepped;
-  const bool clean = found_inf.item<float>() == 0.0f;
-  if (clean) optimizer.step_scaled(scale_.to(torch::kDouble).reciprocal().to(torch::kFloat));
   return clean;
 }
 

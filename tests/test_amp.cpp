@@ -240,6 +240,29 @@ TEST(GradScaler, FusedUnscaleIsBitIdenticalToTheUnscalePass) {
   }
 }
 
+TEST(GradScaler, AFusedStepTheOptimizerRefusesCanBeTriedAgain) {
+  ScaledRun run, twin;
+  EXPECT_TRUE(run.step(true, 0));
+  EXPECT_TRUE(twin.step(true, 0));
+  EXPECT_TRUE(twin.step(true, 1));
+
+  torch::manual_seed(1);  // run.step(true, 1), with a gradient the optimizer refuses before the step
+  const auto x = torch::randn({16, 64}), y = torch::randint(4, {16});
+  run.opt->zero_grad();
+  run.scaler.scale(torch::nn::functional::cross_entropy(run.net->forward(x), y)).backward();
+  torch::Tensor weight = run.net->parameters()[0];
+  const torch::Tensor grad = weight.grad();
+  weight.mutable_grad() = grad.to(torch::kDouble);
+  EXPECT_THROW(run.scaler.step(*run.opt), c10::Error);
+  weight.mutable_grad() = grad;
+  EXPECT_TRUE(run.scaler.step(*run.opt));
+  run.scaler.update();
+
+  EXPECT_EQ(run.scaler.get_scale(), twin.scaler.get_scale());
+  const auto a = run.net->parameters(), b = twin.net->parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << i;
+}
+
 TEST(GradScaler, FusedStepSkipsOnInfOrNaNAndChangesNothing) {
   ScaledRun run;
   EXPECT_TRUE(run.step(true, 0));  // creates the state
