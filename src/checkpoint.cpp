@@ -465,7 +465,7 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
   std::vector<at::Tensor> leaves;
   std::vector<int64_t> versions;  // an input the function modifies would be recomputed from its new value
   for (const at::Tensor& x : inputs) {
-    versions.push_back(x._version());
+    versions.push_back(x.is_inference() ? 0 : x._version());  // an inference tensor has no version
     r->input_requires_grad.push_back(x.requires_grad());
     leaves.push_back(x.detach().requires_grad_(x.requires_grad()));
     add_device(r->cuda_devices, x);
@@ -502,8 +502,8 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
       std::any_of(inputs.begin(), inputs.end(), [](const at::Tensor& x) { return x.requires_grad(); });
   if (!needs_grad) return outputs;
   for (size_t i = 0; i < inputs.size(); ++i)
-    TORCH_CHECK(inputs[i]._version() == versions[i], "checkpoint: the function modified input ", i,
-                " (shape ", inputs[i].sizes(),
+    TORCH_CHECK(inputs[i].is_inference() || inputs[i]._version() == versions[i],
+                "checkpoint: the function modified input ", i, " (shape ", inputs[i].sizes(),
                 ") in place; the recomputation would start from the modified value and ",
                 "give other gradients. Make that operation out of place, or start the piece after it");
   for (at::Tensor& out : outputs) out = out.detach();  // drops the graph: only the values are kept

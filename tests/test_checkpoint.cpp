@@ -606,6 +606,24 @@ TEST(CheckpointErrors, AnInputModifiedInPlaceByTheFunction) {
   }
 }
 
+TEST(CheckpointErrors, AnInferenceTensorInputGetsLibTorchsAdvice) {
+  // The input is kept for the recomputation, which LibTorch refuses for an inference tensor; the in-place
+  // check above must not get there first with an error about version counters.
+  auto w = torch::randn({4}, torch::requires_grad());
+  torch::Tensor x;
+  {
+    torch::InferenceMode inference;
+    x = torch::randn({4});
+  }
+  try {
+    checkpoint([&](at::TensorList in) { return std::vector<torch::Tensor>{(in[0] + w).sin()}; }, {x});
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("Inference tensors cannot be saved for backward"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CheckpointErrors, BadSegmentCounts) {
   EXPECT_THROW(checkpoint_sequential(mlp(), 0), c10::Error);
   EXPECT_THROW(checkpoint_sequential(mlp(), 6), c10::Error);
