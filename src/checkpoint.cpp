@@ -485,9 +485,9 @@ std::vector<at::Tensor> checkpoint_impl(const std::vector<at::Tensor>& owner_par
     if (std::string(e.what()).find("leaf Variable that requires grad is being used in an in-place") !=
         std::string::npos)
       e.add_context(
-          "checkpoint: the function modifies one of its inputs in place; the recomputation would "
-          "start from the modified value. Make that operation out of place, or start the piece "
-          "after it");
+          "checkpoint: inside a checkpointed piece its inputs are leaves. If the operation modifies an input "
+          "in place (a ReLU(inplace) at the start of the piece), make it out of place or start the piece "
+          "after it: the recomputation would start from the modified value");
     throw;
   }
   r->parameters = leaves_behind(detail::graph_since(outputs, first_node), leaves);
