@@ -674,15 +674,30 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
                 master.sizes(), ", expected Float ", offloaded_[i].master.sizes());
     masters.push_back(master);
   }
+  // The options saved (files from before they were have none: this optimizer's).
+  OffloadOptimizerOptions saved = options();
+  torch::serialize::InputArchive options_archive;
+  if (archive.try_read("offload/options", options_archive)) {
+    saved.serialize(options_archive);
+    check_options(saved);
+  }
   std::unique_ptr<optim::LowBitOptimizer> host;
   if (host_) {
     std::vector<torch::Tensor> params;
     for (const Offloaded& o : offloaded_) params.push_back(o.master);
-    host = make_host(params, options());
     torch::serialize::InputArchive inner;
     archive.read("offload/host", inner);
     HostAllocationScope in_host;
+    // State of another width (state_bits) is read as it was saved, then converted to this optimizer's.
+    // NOTE: read into this optimizer's own, 32-bit state would stay fp32 under state_bits 8 and 8-bit state
+    // would stay 8-bit under state_bits 32 (the state of a tensor keeps the format it was made with).
+    host = make_host(params, saved);
     host->load(inner);
+    if (saved.state_bits() != options().state_bits()) {
+      std::unique_ptr<optim::LowBitOptimizer> converted = make_host(params, options());
+      optim::copy_state(*host, *converted);
+      host = std::move(converted);
+    }
   }
   std::unique_ptr<torch::optim::AdamW> device;
   if (device_) {
@@ -692,15 +707,9 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
     archive.read("offload/device", inner);
     device->load(inner);
   }
-  // The hyper-parameters saved (files from before they were have none); how this optimizer was made stays.
+  // The hyper-parameters saved; how this optimizer was made stays.
   OffloadOptimizerOptions hyper = options();
-  torch::serialize::InputArchive options_archive;
-  if (archive.try_read("offload/options", options_archive)) {
-    OffloadOptimizerOptions saved;
-    saved.serialize(options_archive);
-    check_options(saved);
-    hyper.lr(saved.lr()).betas(saved.betas()).eps(saved.eps()).weight_decay(saved.weight_decay());
-  }
+  hyper.lr(saved.lr()).betas(saved.betas()).eps(saved.eps()).weight_decay(saved.weight_decay());
   // Commit, once the host thread of step_during_backward has stopped reading the state.
   discard_backward();
   static_cast<OffloadOptimizerOptions&>(param_groups().front().options()) = hyper;

@@ -93,7 +93,9 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   torch::Tensor step(LossClosure closure = nullptr) override;
   void save(torch::serialize::OutputArchive& archive) const override;
   /// Loads what `save` wrote: master weights, state and the hyper-parameters (lr, betas, eps, weight_decay;
-  /// the other options stay this optimizer's). A file for other parameters is an error that changes nothing.
+  /// the other options stay this optimizer's). State saved with other `state_bits` is converted to this
+  /// optimizer's as memsave::optim::copy_state converts (a run resumed with less memory, or back to fp32
+  /// state). A file for other parameters is an error that changes nothing.
   void load(torch::serialize::InputArchive& archive) override;
 
   /// Copies the parameters into the fp32 master weights, for parameters set outside the optimizer (weights
