@@ -4,6 +4,7 @@
 #include "memsave/optim.h"
 
 #include "../kernels/finite.h"
+#include "archive.h"
 #include "compat.h"
 #include "kernel_dtype.h"
 
@@ -233,6 +234,10 @@ int64_t GradScaler::growth_tracker() const {
 }
 
 void GradScaler::serialize(torch::serialize::OutputArchive& archive) const {
+  // A disabled scaler has no state (torch's state_dict is empty); its file says so, so that an enabled one
+  // does not take a scale of 1 from it.
+  archive.write("enabled", options_.enabled());
+  if (!options_.enabled()) return;
   archive.write("scale", get_scale());
   archive.write("growth_factor", options_.growth_factor());
   archive.write("backoff_factor", options_.backoff_factor());
@@ -241,6 +246,11 @@ void GradScaler::serialize(torch::serialize::OutputArchive& archive) const {
 }
 
 void GradScaler::serialize(torch::serialize::InputArchive& archive) {
+  // As torch's load_state_dict: a disabled scaler reads nothing.
+  if (!options_.enabled()) return;
+  TORCH_CHECK(detail::read_bool_or(archive, "enabled", true),
+              "GradScaler: the archive was saved by a disabled GradScaler and holds no scale; an enabled one "
+              "starts from its own init_scale");
   auto read = [&](const char* key) {
     c10::IValue value;
     archive.read(key, value);

@@ -10,6 +10,7 @@
 #include <limits>
 #include <memory>
 #include <sstream>
+#include <string>
 
 namespace memsave::amp {
 namespace {
@@ -163,6 +164,33 @@ TEST(GradScaler, StateRoundTripsThroughAnArchive) {
   EXPECT_EQ(b.get_scale(), 512.0);
   EXPECT_EQ(b.growth_tracker(), 3);
   EXPECT_EQ(b.options().growth_interval(), 5);
+}
+
+TEST(GradScaler, TheArchiveOfADisabledScalerHoldsNoScale) {
+  // torch.amp: a disabled scaler's state_dict is empty, and an enabled one refuses it. Taken as a scale of 1,
+  // fp16 gradients would underflow until the scale had grown back, 2000 steps per doubling.
+  auto save = [](const GradScaler& scaler) {
+    torch::serialize::OutputArchive out;
+    scaler.serialize(out);
+    std::ostringstream bytes;
+    out.save_to(bytes);
+    return bytes.str();
+  };
+  auto load = [](GradScaler& scaler, const std::string& bytes) {
+    torch::serialize::InputArchive in;
+    std::istringstream read(bytes);
+    in.load_from(read);
+    scaler.serialize(in);
+  };
+  const std::string disabled = save(GradScaler(GradScalerOptions().enabled(false)));
+  GradScaler enabled(GradScalerOptions().init_scale(1024));
+  EXPECT_THROW(load(enabled, disabled), c10::Error);
+  EXPECT_EQ(enabled.get_scale(), 1024.0);
+  // A disabled scaler reads nothing, not even a file of an enabled one.
+  GradScaler off(GradScalerOptions().enabled(false).growth_interval(7));
+  load(off, save(GradScaler(GradScalerOptions().growth_interval(3))));
+  EXPECT_EQ(off.options().growth_interval(), 7);
+  EXPECT_EQ(off.get_scale(), 1.0);
 }
 
 TEST(GradScaler, DisabledPassesThrough) {

@@ -94,7 +94,9 @@ class GradScaler {
   bool is_enabled() const { return options_.enabled(); }
   const GradScalerOptions& options() const { return options_; }
 
-  /// scale, growth factor, backoff factor, growth interval and growth tracker, as torch's state_dict.
+  /// scale, growth factor, backoff factor, growth interval and growth tracker, as torch's state_dict. A
+  /// disabled scaler writes only that it is disabled, and reads nothing; an enabled one refuses the archive
+  /// of a disabled one (it has no scale), changing nothing.
   void serialize(torch::serialize::OutputArchive& archive) const;
   void serialize(torch::serialize::InputArchive& archive);
 
