@@ -563,11 +563,20 @@ void Trainer::load(const std::string& path) {
 }
 
 torch::Tensor Trainer::predict(const torch::Tensor& input) {
+  // Each module's mode is put back as it was, also when the forward throws.
+  struct EvalModes {
+    std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> was;
+    explicit EvalModes(torch::nn::Module& root) {
+      for (const auto& m : root.modules()) was.emplace_back(m, m->is_training());
+      root.eval();
+    }
+    ~EvalModes() {
+      // In pre-order (modules()' order): a module's train(bool) also sets its submodules, set after it.
+      for (const auto& [m, training] : was) m->train(training);
+    }
+  } modes(*module_);
   torch::NoGradGuard no_grad;
-  module_->eval();
-  torch::Tensor out = forward(input);
-  module_->train();
-  return out;
+  return forward(input);
 }
 
 }  // namespace memsave

@@ -479,6 +479,35 @@ TEST(Trainer, EachMicroBatchWeighsItsMasksItems) {
   EXPECT_LT(relative_error(rec->grads, expected), 1e-5);
 }
 
+TEST(Trainer, PredictRunsInEvalModeAndPutsEveryModeBack) {
+  torch::manual_seed(0);
+  auto net = tnn::Sequential(tnn::Linear(6, 16), tnn::Dropout(0.5), tnn::Tanh(), tnn::Linear(16, 4));
+  Trainer trainer(net, adamw(1e-3), Recipe().checkpoint(Checkpointing::every_layer()));
+  const auto x = torch::randn({8, 6});
+  auto modes = [&] {
+    std::vector<bool> on;
+    for (const auto& m : trainer.model()->modules()) on.push_back(m->is_training());
+    return on;
+  };
+  // Dropout off, no graph: the eval-mode forward of the model as given.
+  net->eval();
+  const auto expected = net->forward(x);
+  // Modes as a user may have set them: the model in train mode but for its dropout.
+  trainer.model()->train();
+  net[1]->eval();
+  const auto before = modes();
+  const auto out = trainer.predict(x);
+  EXPECT_TRUE(torch::equal(out, expected));
+  EXPECT_FALSE(out.requires_grad());
+  EXPECT_EQ(modes(), before);
+  // Also when the forward throws (an input of the wrong width).
+  EXPECT_THROW(trainer.predict(torch::randn({8, 5})), c10::Error);
+  EXPECT_EQ(modes(), before);
+  trainer.model()->eval();
+  trainer.predict(x);
+  EXPECT_EQ(modes(), std::vector<bool>(before.size(), false));
+}
+
 TEST(TrainerErrors, ImpossibleRecipesAreRejectedAtConstruction) {
   auto net = small_mlp();
   EXPECT_THROW(Trainer(net, adamw(), Recipe().micro_batch(-1)), c10::Error);

@@ -132,7 +132,8 @@ class Trainer {
   /// the step (out of memory) leaves parameters and optimizer state as they were.
   StepStats step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
                  const torch::Tensor& mask = {});
-  /// The model's output in eval mode without grad (and under the recipe's autocast).
+  /// The model's output in eval mode without grad (and under the recipe's autocast). Each module's mode is
+  /// put back as it was.
   torch::Tensor predict(const torch::Tensor& input);
 
   /// Writes what resuming needs, as a LibTorch archive: the model's parameters and buffers (under the names
