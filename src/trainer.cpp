@@ -11,6 +11,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <limits>
@@ -264,6 +265,11 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
   for (const double n : items) total += n;
   TORCH_CHECK(total > 0, "Trainer::step: the batch has no items to learn from (the mask sums to ", total,
               ")");
+  const auto parameters = model_->parameters();
+  TORCH_CHECK(std::any_of(parameters.begin(), parameters.end(),
+                          [](const torch::Tensor& p) { return p.requires_grad(); }),
+              "Trainer::step: no parameter of the model requires grad (all ", parameters.size(),
+              " are frozen): there is nothing to train");
 
   module_->train();
   PeakScope scope(device_);

@@ -535,6 +535,16 @@ TEST(TrainerErrors, BadBatchesChangeNothing) {
   EXPECT_THROW(trainer.step(torch::randn({0, 6}), torch::randint(4, {0}), ce), c10::Error);  // empty
   auto not_scalar = [](const torch::Tensor& out, const torch::Tensor&) { return out.sum(1); };
   EXPECT_THROW(trainer.step(torch::randn({8, 6}), torch::randint(4, {8}), not_scalar), c10::Error);
+  // All parameters frozen: said as such before anything runs (not as the backward's "does not require grad").
+  for (auto& p : net->parameters()) p.requires_grad_(false);
+  try {
+    trainer.step(torch::randn({8, 6}), torch::randint(4, {8}), ce);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("no parameter of the model requires grad"), std::string::npos)
+        << e.what();
+  }
+  for (auto& p : net->parameters()) p.requires_grad_(true);
   EXPECT_TRUE(torch::equal(before, net->parameters()[0]));
   for (const auto& p : net->parameters())
     EXPECT_FALSE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
