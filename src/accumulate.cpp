@@ -80,7 +80,11 @@ std::optional<WindowStep> GradientAccumulator::backward(const torch::Tensor& los
     // before this one, an evaluation's backward). After a step or a discard they are zero already.
     if (micro_batches_ == 0) optimizer_.zero_grad();
     if (!normalizer_) normalizer_ = items * static_cast<double>(options_.window());
-    const torch::Tensor sum = options_.reduction() == LossReduction::kMean ? loss * items : loss;
+    // In fp32 at least: an fp16 loss times a window's items overflows (65504), and 1 / (a window's items)
+    // falls into fp16's subnormals, which would bend the gradient.
+    const bool narrow = loss.is_floating_point() && loss.element_size() < 4;
+    const torch::Tensor wide = narrow ? loss.to(torch::kFloat) : loss;
+    const torch::Tensor sum = options_.reduction() == LossReduction::kMean ? wide * items : wide;
     const torch::Tensor normalized = sum / *normalizer_;
     // The window's last micro-batch copies (and may step); the ones before it leave the gradients on the
     // device. Exactly complete counts only: then the step's correction is 1 and changes nothing.

@@ -10,7 +10,8 @@
 // The gradient of a window is the gradient of (sum of per-item losses over the window) / (items in the
 // window): a micro-batch of 3 items weighs 3/8 of a window of 8 items, not 1/4 as "average the
 // per-micro-batch means" would make it. Items can be tokens (count the unmasked ones). One unscale, clip and
-// optimizer step per window.
+// optimizer step per window. The normalization runs in fp32 also for an fp16 or bf16 loss (in fp16 a loss
+// times a window's tokens overflows, and 1 / tokens loses precision).
 //
 // With an OffloadOptimizer that copies gradients during the backward, the accumulator defers the copies to
 // the window's last micro-batch: the one whose items complete the count given to begin_window, or (without
