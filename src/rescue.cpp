@@ -6,6 +6,7 @@
 #include "memsave/optim.h"
 
 #include "autograd_graph.h"
+#include "step_room.h"
 
 #include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
@@ -297,6 +298,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   {  // the optimizer step's temporaries beyond its state
     const int64_t before_step = memory_stats(device).current;
     PeakScope step(device);
+    detail::make_room_for_step(*optimizer);  // as the Trainer's step does
     optimizer->step();
     model.step_extra_ = std::max<int64_t>(0, step.peak() - before_step);
   }

@@ -18,6 +18,7 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace memsave {
@@ -584,6 +585,46 @@ TEST(TrainerErrors, AnOutOfMemoryMidStepLeavesTheModelAsItWas) {
   for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], net->parameters()[i]));
   const auto stats = trainer.step(batch.input, batch.target, ce);  // and the next step works
   EXPECT_TRUE(stats.stepped);
+}
+
+TEST(TrainerErrors, AnOutOfMemoryInTheOptimizersStepLeavesTheModelAsItWas) {
+  // LibTorch's AdamW and SGD allocate while they step (the state at the first step, AdamW's denominators at
+  // every step) between their in-place updates. A model whose step is its peak (large weights, four rows),
+  // under budgets rising by 256 KiB: each step either runs whole or changes no parameter.
+  install_meter();
+  const std::vector<std::pair<std::string, OptimizerFactory>> factories{{"AdamW", adamw(1e-3)},
+                                                                        {"SGD", sgd(0.1)}};
+  for (const auto& [name, factory] : factories) {
+    for (const bool first : {true, false}) {
+      SCOPED_TRACE(name + (first ? ", first step" : ", a later step"));
+      torch::manual_seed(0);
+      auto net = tnn::Sequential(tnn::Linear(8, 512), tnn::Tanh(), tnn::Linear(512, 2048), tnn::Tanh(),
+                                 tnn::Linear(2048, 4));
+      Trainer trainer(net, factory);
+      const auto x = torch::randn({4, 8});
+      const auto y = torch::randint(4, {4});
+      if (!first) trainer.step(x, y, ce);
+      int failed = 0;
+      for (int64_t slack = 0;; slack += 256 << 10) {
+        ASSERT_LT(slack, int64_t{64} << 20) << "no budget fitted";
+        std::vector<torch::Tensor> before;
+        for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+        const size_t state = optimizer_state_tensors(trainer.optimizer()).size();
+        try {
+          ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
+          trainer.step(x, y, ce);
+          break;
+        } catch (const c10::OutOfMemoryError&) {
+          ++failed;
+        }
+        for (size_t i = 0; i < before.size(); ++i)
+          ASSERT_TRUE(torch::equal(before[i], net->parameters()[i]))
+              << "parameter " << i << ", slack " << slack;
+        ASSERT_EQ(optimizer_state_tensors(trainer.optimizer()).size(), state) << "slack " << slack;
+      }
+      EXPECT_GT(failed, 0);
+    }
+  }
 }
 
 // ---- save and load ----
