@@ -5,6 +5,7 @@
 #include "autograd_graph.h"
 #include "compat.h"
 #include "kernel_dtype.h"
+#include "step_room.h"
 #ifdef MEMSAVE_WITH_CUDA
 #include "memory_internal.h"
 #include "offload_internal.h"
@@ -537,6 +538,9 @@ torch::Tensor OffloadOptimizer::step(LossClosure closure) {
 
   // 2. The CPU step on the masters (its state is created in the host arena), and 3. the parameters back to
   //    the device.
+  // LibTorch's AdamW over the small tensors allocates as it steps (its state, its denominators): its room is
+  // made before any master is stepped, so that running out of memory there changes nothing.
+  if (device_) detail::make_room_for_step(*device_);
   if (host_ && !to_step.empty()) step_masters(to_step);
   if (device_) device_->step();
   update_can_step();

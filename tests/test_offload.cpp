@@ -740,6 +740,36 @@ TEST(Offload, ParametersWithoutGradientsAreLeftAlone) {
   EXPECT_FALSE(torch::equal(net->parameters()[0], model()->parameters()[0]));
 }
 
+TEST(Offload, AnOutOfMemoryInTheSmallTensorsStepLeavesEveryParameterAsItWas) {
+  // The tensors under min_offload_size step with LibTorch's AdamW on the device, after the host step; it
+  // allocates as it goes (its state at the first step). Under budgets rising by 16 KiB, each first step
+  // either runs whole or changes no parameter.
+  install_meter();
+  auto net = model();
+  OffloadOptimizer opt(net->parameters(), OffloadOptimizerOptions(1e-3).min_offload_size(10000));
+  torch::manual_seed(3);
+  const auto x = torch::randn({4, 64});
+  const auto y = torch::randint(8, {4});
+  int failed = 0;
+  for (int64_t slack = 0;; slack += 16 << 10) {
+    ASSERT_LT(slack, int64_t{4} << 20) << "no budget fitted";
+    std::vector<torch::Tensor> before;
+    for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
+    opt.zero_grad();
+    F::cross_entropy(net->forward(x), y).backward();
+    try {
+      ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
+      opt.step();
+      break;
+    } catch (const c10::OutOfMemoryError&) {
+      ++failed;
+    }
+    for (size_t i = 0; i < before.size(); ++i)
+      ASSERT_TRUE(torch::equal(before[i], net->parameters()[i])) << "parameter " << i << ", slack " << slack;
+  }
+  EXPECT_GT(failed, 0);
+}
+
 TEST(OffloadErrors, BadInputIsRejected) {
   auto cpu = torch::zeros({4}, torch::requires_grad());
   auto meta = torch::empty({4}, torch::TensorOptions().device(torch::kMeta).requires_grad(true));
