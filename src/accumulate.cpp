@@ -190,11 +190,11 @@ WindowStep GradientAccumulator::step() {
       // OffloadOptimizer that copied them during the backward tells a changed gradient by its version.
       for (auto& p : parameters) torch::autograd::impl::bump_version(p.grad());
     }
-    detail::make_room_for_step(optimizer_);
     if (scaler_) {
-      result.stepped = scaler_->step(optimizer_);
+      result.stepped = scaler_->step(optimizer_);  // which makes room for the step (step_room.h)
       scaler_->update();
     } else {
+      detail::make_room_for_step(optimizer_);
       optimizer_.step();
       result.stepped = true;
     }

@@ -7,6 +7,7 @@
 #include "archive.h"
 #include "compat.h"
 #include "kernel_dtype.h"
+#include "step_room.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
@@ -141,7 +142,10 @@ void GradScaler::unscale_(torch::optim::Optimizer& optimizer) {
 }
 
 bool GradScaler::step(torch::optim::Optimizer& optimizer) {
+  // LibTorch's optimizers allocate between their in-place updates: room first, so that running out of
+  // memory changes no parameter (step_room.h).
   if (!options_.enabled()) {
+    detail::make_room_for_step(optimizer);
     optimizer.step();
     return true;
   }
@@ -155,7 +159,10 @@ bool GradScaler::step(torch::optim::Optimizer& optimizer) {
   }
   OptimizerState& state = optimizers_[&optimizer];
   const bool clean = state.found_inf.item<float>() == 0.0f;
-  if (clean) optimizer.step();
+  if (clean) {
+    detail::make_room_for_step(optimizer);
+    optimizer.step();
+  }
   state.stage = Stage::kStepped;
   return clean;
 }

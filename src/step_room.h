@@ -13,8 +13,9 @@ namespace memsave::detail {
 /// temporaries, and on the CPU 64 bytes for the step's scalars. An out-of-memory then comes before anything
 /// changed, and the step reuses the room (on the CPU exactly; on CUDA from the caching allocator's cache,
 /// which keeps the blocks). Other optimizers are left to themselves: memsave's own allocate before they
-/// change anything. The GradientAccumulator (so the Trainer) calls it before each step, and the rescue's
-/// memory model before the step it profiles, so that predictions include it.
+/// change anything. The GradScaler's step, the GradientAccumulator's (so the Trainer's) and the
+/// OffloadOptimizer's on-device AdamW call it before they step, and the rescue's memory model before the
+/// step it profiles, so that predictions include it.
 void make_room_for_step(const torch::optim::Optimizer& optimizer);
 
 }  // namespace memsave::detail

@@ -1,4 +1,5 @@
 #include <memsave/amp.h>
+#include <memsave/memory.h>
 #include <memsave/optim.h>
 
 #include "kernels/golden.h"
@@ -191,6 +192,46 @@ TEST(GradScaler, TheArchiveOfADisabledScalerHoldsNoScale) {
   load(off, save(GradScaler(GradScalerOptions().growth_interval(3))));
   EXPECT_EQ(off.options().growth_interval(), 7);
   EXPECT_EQ(off.get_scale(), 1.0);
+}
+
+TEST(GradScaler, AnOutOfMemoryInTheStepChangesNoParameterAndTheStepCanBeTriedAgain) {
+  // LibTorch's AdamW allocates as it steps (its state at the first step): under budgets rising by 64 KiB,
+  // each scaler step either runs whole or changes no parameter, and the one that fits is the step the first
+  // try would have been.
+  install_meter();
+  torch::manual_seed(0);
+  std::vector<torch::Tensor> params{torch::randn({256, 256}), torch::randn({1024, 256}), torch::randn({64})};
+  for (auto& p : params) p.requires_grad_();
+  std::vector<torch::Tensor> reference;
+  for (const auto& p : params) reference.push_back(p.detach().clone().requires_grad_());
+  torch::optim::AdamW opt(params, torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW ref(reference, torch::optim::AdamWOptions(1e-2));
+  GradScaler scaler, plain;
+  auto loss = [](const std::vector<torch::Tensor>& ps) {
+    torch::Tensor sum = torch::zeros({});
+    for (const auto& p : ps) sum = sum + (p * p).sum();
+    return sum;
+  };
+  scaler.scale(loss(params)).backward();
+  plain.scale(loss(reference)).backward();
+  int failed = 0;
+  for (int64_t slack = 0;; slack += 64 << 10) {
+    ASSERT_LT(slack, int64_t{16} << 20) << "no budget fitted";
+    std::vector<torch::Tensor> before;
+    for (const auto& p : params) before.push_back(p.detach().clone());
+    try {
+      ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
+      EXPECT_TRUE(scaler.step(opt));
+      break;
+    } catch (const c10::OutOfMemoryError&) {
+      ++failed;
+    }
+    for (size_t i = 0; i < params.size(); ++i)
+      ASSERT_TRUE(torch::equal(before[i], params[i])) << "parameter " << i << ", slack " << slack;
+  }
+  EXPECT_GT(failed, 0);
+  EXPECT_TRUE(plain.step(ref));
+  for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], reference[i])) << i;
 }
 
 TEST(GradScaler, DisabledPassesThrough) {
