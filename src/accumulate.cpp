@@ -61,6 +61,8 @@ void make_room_for_step(const torch::optim::Optimizer& optimizer) {
       worst = i;
     }
   }
+  // NOTE: a step that allocates no tensor (SGD's with its state made, without weight decay or Nesterov)
+  // allocates its first scalar before its first update: it runs whole or not at all already.
   if (peak <= 0) return;
   std::vector<torch::Tensor> room;
   // NOTE: on the CPU the step's scalars (12 bytes in LibTorch 2.15's AdamW) come from the same pool.

@@ -232,6 +232,31 @@ TEST(GradScaler, AnOutOfMemoryInTheStepChangesNoParameterAndTheStepCanBeTriedAga
   EXPECT_GT(failed, 0);
   EXPECT_TRUE(plain.step(ref));
   for (size_t i = 0; i < params.size(); ++i) EXPECT_TRUE(torch::equal(params[i], reference[i])) << i;
+
+  // Byte by byte around a later step of small tensors, whose scalars come from the same pool on the CPU.
+  std::vector<torch::Tensor> small{torch::randn({100}), torch::randn({100})};
+  for (auto& p : small) p.requires_grad_();
+  torch::optim::AdamW small_opt(small, torch::optim::AdamWOptions(1e-2));
+  GradScaler off(GradScalerOptions().enabled(false));
+  for (auto& p : small) p.mutable_grad() = torch::randn({100});
+  off.step(small_opt);
+  for (int64_t slack = 0;; ++slack) {
+    ASSERT_LT(slack, 4096) << "no budget fitted";
+    std::vector<torch::Tensor> before;
+    for (const auto& t : small) before.push_back(t.detach().clone());
+    for (const auto& t : optimizer_state_tensors(small_opt)) before.push_back(t.clone());
+    try {
+      ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
+      off.step(small_opt);
+      break;
+    } catch (const c10::OutOfMemoryError&) {
+    }
+    std::vector<torch::Tensor> after;
+    for (const auto& t : small) after.push_back(t.detach());
+    for (const auto& t : optimizer_state_tensors(small_opt)) after.push_back(t);
+    for (size_t i = 0; i < before.size(); ++i)
+      ASSERT_TRUE(torch::equal(before[i], after[i])) << "tensor " << i << ", slack " << slack;
+  }
 }
 
 TEST(GradScaler, DisabledPassesThrough) {
