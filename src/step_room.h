@@ -1,4 +1,4 @@
-// Room for a LibTorch optimizer's step, made before it changes anything (src/accumulate.cpp).
+// Room for a LibTorch optimizer's step, made before it changes anything.
 #pragma once
 
 #include <torch/optim/optimizer.h>
