@@ -1,10 +1,12 @@
 #include "memsave/trainer.h"
 
 #include "archive.h"
+#include "memory_internal.h"
 #include "memsave/memory.h"
 #include "memsave/offload.h"
 #include "memsave/optim.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Type.h>
 #include <torch/optim/adam.h>
@@ -271,10 +273,13 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
               "Trainer::step: no parameter of the model requires grad (all ", parameters.size(),
               " are frozen): there is nothing to train");
 
-  module_->train();
+  // A model in eval mode (evaluated by hand) is put in train mode, all of it; in a model in train mode the
+  // submodules the user put in eval mode (a frozen BatchNorm) stay so.
+  if (!module_->is_training() || !model_->is_training()) module_->train();
   PeakScope scope(device_);
   const auto start = std::chrono::steady_clock::now();
   StepStats stats;
+  save_buffers();
   try {
     // NOTE: the accumulator defers an offloaded optimizer's gradient copies to the window's last micro-batch.
     accumulator_->begin_window(total);
@@ -301,11 +306,41 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
     stats.grad_norm = window.grad_norm;
   } catch (...) {
     accumulator_->discard();
+    restore_buffers();
     throw;
   }
   stats.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats.peak_bytes = scope.peak();
   return stats;
+}
+
+void Trainer::save_buffers() {
+  // NOTE: on CUDA the copies into pinned memory are asynchronous: they run on the current stream before the
+  // forward that updates the buffers, and a copy back runs after them.
+  const auto buffers = model_->buffers();
+  saved_buffers_.resize(buffers.size());
+  for (size_t i = 0; i < buffers.size(); ++i) {
+    const torch::Tensor& b = buffers[i];
+    torch::Tensor& saved = saved_buffers_[i];
+    if (!saved.defined() || saved.sizes() != b.sizes() || saved.scalar_type() != b.scalar_type())
+      saved = host_empty(b.sizes(), b.scalar_type());
+    saved.copy_(b, /*non_blocking=*/true);
+    detail::record_host_use(saved, b.device());
+  }
+}
+
+void Trainer::restore_buffers() {
+  // Every buffer, written or not: BatchNorm's kernels update the running statistics without bumping their
+  // version counters. A buffer whose elements share memory (an expanded view) cannot be written in place, by
+  // a forward either, and is left be.
+  torch::NoGradGuard no_grad;
+  const auto buffers = model_->buffers();
+  for (size_t i = 0; i < buffers.size() && i < saved_buffers_.size(); ++i) {
+    torch::Tensor b = buffers[i];
+    if (at::has_internal_overlap(b) == at::MemOverlap::Yes) continue;
+    b.copy_(saved_buffers_[i], /*non_blocking=*/true);
+    detail::record_host_use(saved_buffers_[i], b.device());
+  }
 }
 
 namespace {

@@ -527,6 +527,42 @@ TEST(Trainer, PredictRunsInEvalModeAndPutsEveryModeBack) {
   EXPECT_EQ(modes(), std::vector<bool>(before.size(), false));
 }
 
+TEST(Trainer, StepKeepsAFrozenBatchNormFrozenAndTrainsAModelLeftInEvalMode) {
+  // Fine-tuning with a frozen BatchNorm: in eval mode it normalizes with its running statistics and must not
+  // update them. The reference is LibTorch's AdamW on a twin in the same modes.
+  const auto make = [] {
+    torch::manual_seed(0);
+    return tnn::Sequential(tnn::Linear(6, 16), tnn::BatchNorm1d(16), tnn::Tanh(), tnn::Linear(16, 4));
+  };
+  torch::manual_seed(1);
+  const auto x = torch::randn({8, 6});
+  const auto y = torch::randint(4, {8});
+  for (const Recipe& recipe : {Recipe(), Recipe().checkpoint(Checkpointing::every_layer())}) {
+    SCOPED_TRACE(recipe.label());
+    auto net = make();
+    auto twin = make();
+    net[1]->eval();
+    twin[1]->eval();
+    const auto statistics = net[1]->buffers()[0].clone();
+    Trainer trainer(net, adamw(1e-3), recipe);
+    trainer.step(x, y, ce);
+    torch::optim::AdamW reference(twin->parameters(), torch::optim::AdamWOptions(1e-3).weight_decay(1e-2));
+    ce(twin->forward(x), y).backward();
+    reference.step();
+    EXPECT_FALSE(net[1]->is_training());
+    EXPECT_TRUE(net->is_training() && net[0]->is_training());
+    EXPECT_TRUE(torch::equal(net[1]->buffers()[0], statistics));
+    for (size_t i = 0; i < twin->parameters().size(); ++i)
+      EXPECT_TRUE(torch::allclose(net->parameters()[i], twin->parameters()[i], 1e-6, 1e-7))
+          << "parameter " << i;
+    // A model evaluated by hand and left in eval mode trains in train mode, all of it.
+    net->eval();
+    trainer.step(x, y, ce);
+    for (const auto& m : net->modules()) EXPECT_TRUE(m->is_training());
+    EXPECT_FALSE(torch::equal(net[1]->buffers()[0], statistics));
+  }
+}
+
 TEST(TrainerErrors, ImpossibleRecipesAreRejectedAtConstruction) {
   auto net = small_mlp();
   EXPECT_THROW(Trainer(net, adamw(), Recipe().micro_batch(-1)), c10::Error);
@@ -644,6 +680,53 @@ std::vector<torch::Tensor> model_tensors(tnn::Sequential& net) {
 void expect_equal(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "tensor " << i;
+}
+
+/// Adds a constant buffer that cannot be written (an expanded view): putting buffers back must leave it be.
+struct ShiftImpl : tnn::Module {
+  ShiftImpl() { shift = register_buffer("shift", torch::full({1}, 0.5).expand({4})); }
+  torch::Tensor forward(const torch::Tensor& x) { return x + shift; }
+  torch::Tensor shift;
+};
+TORCH_MODULE(Shift);
+
+TEST(TrainerErrors, AnOutOfMemoryMidStepPutsTheBuffersBack) {
+  // Every forward updates BatchNorm's running statistics. An out-of-memory at any point of a step (in the
+  // second micro-batch's forward, in a backward, in the step) leaves them as they were, so the step that is
+  // tried again updates them once: the model ends as a twin's that never failed.
+  install_meter();
+  const auto make = [] {
+    torch::manual_seed(0);
+    return tnn::Sequential(tnn::Linear(8, 256), tnn::BatchNorm1d(256), tnn::Tanh(), tnn::Linear(256, 512),
+                           tnn::BatchNorm1d(512), tnn::Tanh(), tnn::Linear(512, 4), Shift());
+  };
+  torch::manual_seed(1);
+  const auto x = torch::randn({256, 8});
+  const auto y = torch::randint(4, {256});
+  auto net = make();
+  auto twin = make();
+  Trainer trainer(net, adamw(1e-3), Recipe().micro_batch(64));
+  Trainer twin_trainer(twin, adamw(1e-3), Recipe().micro_batch(64));
+  trainer.step(x, y, ce);
+  twin_trainer.step(x, y, ce);
+  const std::vector<torch::Tensor> before = model_tensors(net);
+  int failed = 0;
+  for (int64_t slack = 0;; slack += 32 << 10) {
+    ASSERT_LT(slack, int64_t{64} << 20) << "no budget fitted";
+    try {
+      ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
+      trainer.step(x, y, ce);
+      break;
+    } catch (const c10::OutOfMemoryError&) {
+      ++failed;
+    }
+    const std::vector<torch::Tensor> now = model_tensors(net);
+    for (size_t i = 0; i < before.size(); ++i)
+      ASSERT_TRUE(torch::equal(before[i], now[i])) << "tensor " << i << ", slack " << slack;
+  }
+  EXPECT_GT(failed, 10);
+  twin_trainer.step(x, y, ce);
+  expect_equal(model_tensors(net), model_tensors(twin));
 }
 
 /// A file name of this test's own in the temporary directory.

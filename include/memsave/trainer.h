@@ -17,6 +17,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -129,7 +130,11 @@ class Trainer {
   /// One optimizer step over the batch: split into micro-batches, forward under autocast, backward (scaled),
   /// then unscale, clip and step once. `mask`, when given, has the batch's rows on dim 0, and the items of a
   /// micro-batch are its sum (tokens that count). Bad input is an error before anything runs; an error during
-  /// the step (out of memory) leaves parameters and optimizer state as they were.
+  /// the step (out of memory) leaves parameters, buffers and optimizer state as they were. For the buffers
+  /// (BatchNorm's running statistics, which every forward updates) each step first copies them into the host
+  /// arena (`host_memory_stats()`: their bytes, kept from step to step); a step that fails copies them back.
+  /// A model in eval mode is put in train mode, all of it; in a model in train mode the submodules put in
+  /// eval mode (a frozen BatchNorm, whose running statistics are to stay) stay in it.
   StepStats step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
                  const torch::Tensor& mask = {});
   /// The model's output in eval mode without grad (and under the recipe's autocast). Each module's mode is
@@ -169,6 +174,10 @@ class Trainer {
   void apply(const torch::nn::Sequential& model);
   void make_accumulator();
   torch::Tensor forward(const torch::Tensor& input);
+  /// Copies the model's buffers into `saved_buffers_`, before a step.
+  void save_buffers();
+  /// Copies them back, after a step that failed.
+  void restore_buffers();
 
   Recipe recipe_;
   torch::nn::Sequential model_{nullptr};  ///< as given: what save and load name
@@ -178,6 +187,7 @@ class Trainer {
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   std::optional<amp::GradScaler> scaler_;
   std::unique_ptr<GradientAccumulator> accumulator_;
+  std::vector<torch::Tensor> saved_buffers_;  ///< host arena copies of the model's buffers
 };
 
 }  // namespace memsave
