@@ -550,6 +550,12 @@ CheckpointSequentialImpl::CheckpointSequentialImpl(torch::nn::Sequential sequent
   }
   TORCH_CHECK(next == sequential_->size(), "CheckpointSequential: the segments cover ", next, " of ",
               sequential_->size(), " elements");
+  const std::vector<bool> may_begin = piece_may_begin(sequential_);
+  for (const Segment& s : segments_)
+    TORCH_CHECK(!s.recompute || may_begin[s.begin], "CheckpointSequential: the recomputed segment [", s.begin,
+                ", ", s.end, ") begins at element ", s.begin, " (", sequential_->ptr(s.begin)->name(),
+                "), which modifies its input in place (or hands it on to one that does): the recomputation "
+                "would start from the modified input. Begin the segment after it");
   register_module("sequential", sequential_);
 }
 
@@ -584,7 +590,67 @@ void CheckpointSequentialImpl::pretty_print(std::ostream& stream) const {
   stream << ")";
 }
 
-std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments) {
+namespace {
+
+/// Whether `layer` modifies its input in place: LibTorch's modules with an `inplace` option set.
+bool works_in_place(const torch::nn::Module& layer) {
+  namespace tnn = torch::nn;
+  if (const auto* m = layer.as<tnn::ReLU>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::ReLU6>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::LeakyReLU>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::ELU>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::SELU>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::CELU>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::RReLU>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::Hardtanh>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::Threshold>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::Dropout>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::Dropout2d>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::Dropout3d>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::AlphaDropout>()) return m->options.inplace();
+  if (const auto* m = layer.as<tnn::FeatureAlphaDropout>()) return m->options.inplace();
+  return false;
+}
+
+/// Whether `layer` returns its input or a view of it.
+bool passes_input_on(const torch::nn::Module& layer) {
+  namespace tnn = torch::nn;
+  return layer.as<tnn::Identity>() || layer.as<tnn::Flatten>() || layer.as<tnn::Unflatten>();
+}
+
+/// Moves each cut of `plan` that falls before an element where no piece may begin to after it: the segment
+/// before grows, and one left empty goes.
+std::vector<CheckpointSequentialImpl::Segment> respect_starts(
+    std::vector<CheckpointSequentialImpl::Segment> plan, const std::vector<bool>& may_begin) {
+  if (may_begin.empty()) return plan;
+  std::vector<CheckpointSequentialImpl::Segment> out;
+  for (CheckpointSequentialImpl::Segment s : plan) {
+    while (!out.empty() && s.begin < s.end && s.begin < may_begin.size() && !may_begin[s.begin]) {
+      ++out.back().end;
+      ++s.begin;
+    }
+    if (s.begin < s.end) out.push_back(s);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<bool> piece_may_begin(const torch::nn::Sequential& sequential) {
+  TORCH_CHECK(!sequential.is_empty(), "piece_may_begin: sequential is empty");
+  const size_t n = sequential->size();
+  std::vector<bool> may(n, true);
+  for (size_t i = n; i-- > 1;) {
+    const torch::nn::Module& layer = *sequential->ptr(i);
+    may[i] = !works_in_place(layer) && !(passes_input_on(layer) && i + 1 < n && !may[i + 1]);
+  }
+  return may;
+}
+
+std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments,
+                                                             const std::vector<bool>& may_begin) {
+  TORCH_CHECK(may_begin.empty() || may_begin.size() == elements, "even_segments: may_begin has ",
+              may_begin.size(), " entries for ", elements, " elements");
   const auto n = static_cast<int64_t>(elements);
   std::vector<CheckpointSequentialImpl::Segment> plan;
   for (int64_t k = 0; k < segments; ++k) {
@@ -592,7 +658,7 @@ std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, in
                end = static_cast<size_t>((k + 1) * n / segments);
     plan.push_back({begin, end, /*recompute=*/k + 1 < segments});
   }
-  return plan;
+  return respect_starts(std::move(plan), may_begin);
 }
 
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
@@ -601,7 +667,7 @@ CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int
   const auto n = static_cast<int64_t>(sequential->size());
   TORCH_CHECK(segments >= 1 && segments <= n, "checkpoint_sequential: segments must be in [1, ", n,
               "] (the number of elements), got ", segments);
-  auto plan = even_segments(sequential->size(), segments);
+  auto plan = even_segments(sequential->size(), segments, piece_may_begin(sequential));
   return CheckpointSequential(std::move(sequential), std::move(plan), options);
 }
 
@@ -620,6 +686,7 @@ CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, con
     else
       plan.push_back({i, i + 1, recompute});
   }
+  plan = respect_starts(std::move(plan), piece_may_begin(sequential));
   return CheckpointSequential(std::move(sequential), std::move(plan), options);
 }
 

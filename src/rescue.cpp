@@ -24,12 +24,14 @@ namespace {
 
 int64_t bytes_of(const torch::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
-/// The pieces of a checkpoint plan over `n` elements, as checkpoint_sequential cuts them.
-std::vector<nn::CheckpointSequentialImpl::Segment> pieces(const Checkpointing& c, size_t n) {
+/// The pieces of a checkpoint plan over `n` elements, as checkpoint_sequential cuts them (`may_begin`:
+/// nn::piece_may_begin of the model).
+std::vector<nn::CheckpointSequentialImpl::Segment> pieces(const Checkpointing& c, size_t n,
+                                                          const std::vector<bool>& may_begin) {
   int64_t k = 1;
   if (c.kind == Checkpointing::Kind::kSegments) k = std::min<int64_t>(c.count, static_cast<int64_t>(n));
   if (c.kind == Checkpointing::Kind::kEveryLayer) k = static_cast<int64_t>(n);
-  return nn::even_segments(n, k);
+  return nn::even_segments(n, k, may_begin);
 }
 
 /// The bound of a measuring run on `device`: simulated_device_room() on the CPU, none on other devices
@@ -142,6 +144,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     model.param_bytes_ += bytes_of(p);
   }
   const size_t n = net->size();
+  model.may_begin_ = nn::piece_may_begin(net);
   const auto [input, target] = setup.make_batch(model.rows_, device);
   model.batch_bytes_per_row_ = (bytes_of(input) + bytes_of(target)) / model.rows_;
   // Two sizes, to tell what grows with the rows from what does not (autocast's casted weights, say).
@@ -339,7 +342,7 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
                               bool accumulating) const {
   const auto plan = pieces(
       recipe.checkpoint().kind == Checkpointing::Kind::kPolicy ? Checkpointing::none() : recipe.checkpoint(),
-      a.stored.size());
+      a.stored.size(), may_begin_);
   auto stored = [&](size_t i) { return a.stored_fixed[i] + a.stored[i] * rows; };
   auto freed = [&](size_t i) { return a.freed_fixed[i] + a.freed[i] * rows; };
   auto forward = [&](size_t i) { return a.forward_fixed[i] + a.forward[i] * rows; };

@@ -125,6 +125,59 @@ TEST(Checkpoint, KeepPolicyRecomputesRunsOfCheapLayers) {
   }
 }
 
+/// Elements that work in place: LibTorch refuses one at the start of a recomputed piece (its input is a leaf
+/// there), and the Identity before the LeakyReLU hands its input on unchanged.
+tnn::Sequential cnn_in_place() {
+  return tnn::Sequential(
+      tnn::Conv2d(tnn::Conv2dOptions(3, 8, 3).padding(1)), tnn::BatchNorm2d(8),
+      tnn::ReLU(tnn::ReLUOptions(true)), tnn::Conv2d(tnn::Conv2dOptions(8, 8, 3).padding(1)),
+      tnn::Dropout(tnn::DropoutOptions(0.3).inplace(true)), tnn::Identity(),
+      tnn::LeakyReLU(tnn::LeakyReLUOptions().inplace(true)), tnn::Flatten(), tnn::Linear(8 * 6 * 6, 5));
+}
+
+TEST(Checkpoint, NoPieceBeginsAtAnElementThatWorksInPlace) {
+  EXPECT_EQ(nn::piece_may_begin(cnn_in_place()),
+            (std::vector<bool>{true, true, false, true, false, false, false, true, true}));
+  // Every layer: the in-place elements join the piece before them, and the gradients, the running
+  // statistics and the dropout masks are the plain model's.
+  using Segment = nn::CheckpointSequentialImpl::Segment;
+  const auto x = torch::randn({4, 3, 6, 6});
+  {
+    auto [plain, wrapped] = twins(cnn_in_place);
+    auto net = checkpoint_sequential(wrapped, 9);
+    const std::vector<std::tuple<size_t, size_t, bool>> expected = {
+        {0, 1, true}, {1, 3, true}, {3, 7, true}, {7, 8, true}, {8, 9, false}};
+    ASSERT_EQ(net->segments().size(), expected.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      const Segment& s = net->segments()[i];
+      EXPECT_EQ(std::make_tuple(s.begin, s.end, s.recompute), expected[i]) << i;
+    }
+    expect_bit_identical(train_step(plain, x, sum_squares), train_step(net, x, sum_squares));
+    expect_bit_identical(plain->buffers(), wrapped->buffers());
+  }
+  for (int64_t segments : {2, 3, 4, 5}) {
+    SCOPED_TRACE(segments);
+    auto [plain, wrapped] = twins(cnn_in_place);
+    auto net = checkpoint_sequential(wrapped, segments);
+    EXPECT_LE(net->segments().size(), static_cast<size_t>(segments));
+    expect_bit_identical(train_step(plain, x, sum_squares), train_step(net, x, sum_squares));
+  }
+  {
+    auto [plain, wrapped] = twins(cnn_in_place);
+    auto net = checkpoint_sequential(wrapped, nn::keep_compute_heavy(), /*max_run=*/1);
+    for (const Segment& s : net->segments())
+      EXPECT_TRUE(nn::piece_may_begin(wrapped)[s.begin] || s.begin == 0);
+    expect_bit_identical(train_step(plain, x, sum_squares), train_step(net, x, sum_squares));
+  }
+  // A plan given by hand that recomputes from such an element is an error when it is built.
+  try {
+    nn::CheckpointSequential(cnn_in_place(), std::vector<Segment>{{0, 2, true}, {2, 9, true}});
+    FAIL() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("begins at element 2"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Checkpoint, KeepPolicyCutsRunsToMaxRun) {
   auto net = checkpoint_sequential(
       cnn_with_batchnorm_and_dropout(), [](const std::string&, const tnn::Module&) { return false; }, 3);
@@ -591,10 +644,11 @@ TEST(CheckpointErrors, AnInputModifiedInPlaceByTheFunction) {
   }
   EXPECT_FALSE(w.grad().defined());
 
-  // An input with grad: a piece that starts with an in-place ReLU gets LibTorch's error with what it means
-  // here.
+  // An input with grad: a piece that starts with an in-place operation memsave does not recognize (a
+  // module of the user's own) gets LibTorch's error with what it means here.
   nn::CheckpointSequential net(
-      tnn::Sequential(tnn::Linear(4, 4), tnn::ReLU(tnn::ReLUOptions().inplace(true)), tnn::Linear(4, 2)),
+      tnn::Sequential(tnn::Linear(4, 4), tnn::Functional([](torch::Tensor t) { return t.relu_(); }),
+                      tnn::Linear(4, 2)),
       std::vector<nn::CheckpointSequentialImpl::Segment>{{0, 1, true}, {1, 3, true}});
   try {
     net->forward(torch::randn({3, 4}));

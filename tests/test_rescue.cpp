@@ -254,5 +254,24 @@ TEST(Estimate, PredictsAConvolutionStackWhoseWeightsOutweighItsActivations) {
   expect_predicts_the_checklist(setup, 8);
 }
 
+TEST(Estimate, PredictsAModelWithInPlaceActivations) {
+  install_meter();
+  // ReLU(inplace) elements: no checkpointed piece may begin at one (the rescue used to stop at the first
+  // checkpointed candidate with LibTorch's in-place error), so the plans join each to the piece before it,
+  // and the prediction walks the same plans.
+  TrainingSetup setup = training_setup("mlp");
+  setup.make_model = [] {
+    torch::nn::Sequential net(torch::nn::Linear(784, 256));
+    for (int i = 0; i < 3; ++i) {
+      net->push_back(torch::nn::ReLU(torch::nn::ReLUOptions(true)));
+      net->push_back(torch::nn::Linear(256, 256));
+    }
+    net->push_back(torch::nn::ReLU(torch::nn::ReLUOptions(true)));
+    net->push_back(torch::nn::Linear(256, 10));
+    return net;
+  };
+  expect_predicts_the_checklist(setup, 32);
+}
+
 }  // namespace
 }  // namespace memsave

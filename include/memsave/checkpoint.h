@@ -111,6 +111,7 @@ class CheckpointSequentialImpl : public torch::nn::Module {
     bool recompute;
   };
 
+  /// A recomputed segment that begins where piece_may_begin says no is an error.
   CheckpointSequentialImpl(torch::nn::Sequential sequential, std::vector<Segment> segments,
                            CheckpointOptions options = {});
 
@@ -127,20 +128,33 @@ class CheckpointSequentialImpl : public torch::nn::Module {
 };
 TORCH_MODULE(CheckpointSequential);
 
+/// Per element of `sequential`, whether a piece may begin there. Not at an element that modifies its input in
+/// place (LibTorch's activations and dropouts built with `inplace(true)`: ReLU, ReLU6, LeakyReLU, ELU, SELU,
+/// CELU, RReLU, Hardtanh, Threshold, Dropout, Dropout2d, Dropout3d, AlphaDropout, FeatureAlphaDropout), nor
+/// at one that hands its input on as it is (Identity, Flatten, Unflatten) before such an element: a piece
+/// keeps its input for the recomputation, which the operation would change (LibTorch refuses it: inside the
+/// piece the input is a leaf). The first element always may. A module of your own that works in place is
+/// not recognized; checkpointing it at the start of a piece is the error that names the piece's input.
+std::vector<bool> piece_may_begin(const torch::nn::Sequential& sequential);
+
 /// `segments` contiguous pieces of near-equal length over `elements`, all but the last recomputed: the plan
-/// of checkpoint_sequential(sequential, segments).
-std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments);
+/// of checkpoint_sequential(sequential, segments). With `may_begin` (piece_may_begin), a cut before an
+/// element where no piece may begin moves after it (the piece before grows; one left empty goes, so there
+/// may be fewer pieces).
+std::vector<CheckpointSequentialImpl::Segment> even_segments(size_t elements, int64_t segments,
+                                                             const std::vector<bool>& may_begin = {});
 
 /// Cuts `sequential` into `segments` contiguous pieces of near-equal length: piece i holds elements
 /// [i*n/segments, (i+1)*n/segments). Every piece but the last is recomputed; the last is stored, since
 /// backward needs its activations at once (as torch.utils.checkpoint's checkpoint_sequential, which cuts
 /// elsewhere: n/segments elements in each piece but the last, which takes the rest; 27 elements in 5 pieces
 /// are 5,5,6,5,6 here and 5,5,5,5,7 there). `segments` equal to the number of elements recomputes every
-/// layer.
+/// layer. No piece begins where piece_may_begin says no: an in-place ReLU joins the piece before it.
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, int64_t segments,
                                            CheckpointOptions options = {});
 /// Keeps the elements for which `keep` is true, and recomputes each run of consecutive other elements as one
 /// piece, or as pieces of at most `max_run` elements when it is > 0 (backward holds one piece at a time).
+/// No piece begins where piece_may_begin says no: such an element joins the piece before it.
 CheckpointSequential checkpoint_sequential(torch::nn::Sequential sequential, const KeepPolicy& keep,
                                            int64_t max_run = 0, CheckpointOptions options = {});
 

@@ -116,7 +116,8 @@ class MemoryModel {
   /// per element: the first and the last element that use one of its parameters (itself, for a parameter of
   /// its own or none)
   std::vector<size_t> shares_from_, shares_to_;
-  int64_t moments_ = 2;  ///< fp32 state tensors per parameter of the setup's optimizer
+  int64_t moments_ = 2;          ///< fp32 state tensors per parameter of the setup's optimizer
+  std::vector<bool> may_begin_;  ///< per element: whether a checkpointed piece may begin there
 };
 
 struct RescueOptions {
