@@ -113,16 +113,19 @@ TEST(Checkpoint, TransformerWithDropoutAndTiedWeightsIsBitIdentical) {
   expect_bit_identical(train_step(plain, tokens, loss), train_step(net, tokens, loss));
 }
 
-TEST(Checkpoint, KeepPolicyRecomputesRunsOfCheapLayers) {
-  auto net = checkpoint_sequential(cnn_with_batchnorm_and_dropout(), nn::keep_compute_heavy());
-  using Segment = nn::CheckpointSequentialImpl::Segment;
-  const std::vector<std::tuple<size_t, size_t, bool>> expected = {
-      {0, 1, false}, {1, 4, true}, {4, 5, false}, {5, 9, true}, {9, 10, false}};
-  ASSERT_EQ(net->segments().size(), expected.size());
+/// The segments of `net` are `expected`: (begin, end, recomputed) each.
+void expect_plan(const nn::CheckpointSequentialImpl& net,
+                 const std::vector<std::tuple<size_t, size_t, bool>>& expected) {
+  ASSERT_EQ(net.segments().size(), expected.size());
   for (size_t i = 0; i < expected.size(); ++i) {
-    const Segment& s = net->segments()[i];
+    const auto& s = net.segments()[i];
     EXPECT_EQ(std::make_tuple(s.begin, s.end, s.recompute), expected[i]) << i;
   }
+}
+
+TEST(Checkpoint, KeepPolicyRecomputesRunsOfCheapLayers) {
+  auto net = checkpoint_sequential(cnn_with_batchnorm_and_dropout(), nn::keep_compute_heavy());
+  expect_plan(*net, {{0, 1, false}, {1, 4, true}, {4, 5, false}, {5, 9, true}, {9, 10, false}});
 }
 
 /// Elements that work in place: LibTorch refuses one at the start of a recomputed piece (its input is a leaf
@@ -145,13 +148,7 @@ TEST(Checkpoint, NoPieceBeginsAtAnElementThatWorksInPlace) {
   {
     auto [plain, wrapped] = twins(cnn_in_place);
     auto net = checkpoint_sequential(wrapped, 9);
-    const std::vector<std::tuple<size_t, size_t, bool>> expected = {
-        {0, 1, true}, {1, 3, true}, {3, 7, true}, {7, 8, true}, {8, 9, false}};
-    ASSERT_EQ(net->segments().size(), expected.size());
-    for (size_t i = 0; i < expected.size(); ++i) {
-      const Segment& s = net->segments()[i];
-      EXPECT_EQ(std::make_tuple(s.begin, s.end, s.recompute), expected[i]) << i;
-    }
+    expect_plan(*net, {{0, 1, true}, {1, 3, true}, {3, 7, true}, {7, 8, true}, {8, 9, false}});
     expect_bit_identical(train_step(plain, x, sum_squares), train_step(net, x, sum_squares));
     expect_bit_identical(plain->buffers(), wrapped->buffers());
   }

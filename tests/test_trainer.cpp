@@ -31,6 +31,18 @@ torch::Tensor ce(const torch::Tensor& out, const torch::Tensor& target) {
   return F::cross_entropy(out, target);
 }
 
+/// Runs a Trainer step with `slack` bytes of budget above what is in use: whether it fitted (false: an
+/// out-of-memory).
+bool step_under_budget(Trainer& trainer, const torch::Tensor& x, const torch::Tensor& y, int64_t slack) {
+  try {
+    ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
+    trainer.step(x, y, ce);
+    return true;
+  } catch (const c10::OutOfMemoryError&) {
+    return false;
+  }
+}
+
 tnn::Sequential small_mlp() { return tnn::Sequential(tnn::Linear(6, 16), tnn::Tanh(), tnn::Linear(16, 4)); }
 
 /// The largest |a - b| / max|b| over all gradients.
@@ -646,13 +658,8 @@ TEST(TrainerErrors, AnOutOfMemoryInTheOptimizersStepLeavesTheModelAsItWas) {
         std::vector<torch::Tensor> before;
         for (const auto& p : net->parameters()) before.push_back(p.detach().clone());
         const size_t state = optimizer_state_tensors(trainer.optimizer()).size();
-        try {
-          ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
-          trainer.step(x, y, ce);
-          break;
-        } catch (const c10::OutOfMemoryError&) {
-          ++failed;
-        }
+        if (step_under_budget(trainer, x, y, slack)) break;
+        ++failed;
         for (size_t i = 0; i < before.size(); ++i)
           ASSERT_TRUE(torch::equal(before[i], net->parameters()[i]))
               << "parameter " << i << ", slack " << slack;
@@ -713,13 +720,8 @@ TEST(TrainerErrors, AnOutOfMemoryMidStepPutsTheBuffersBack) {
   int failed = 0;
   for (int64_t slack = 0;; slack += 32 << 10) {
     ASSERT_LT(slack, int64_t{64} << 20) << "no budget fitted";
-    try {
-      ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + slack);
-      trainer.step(x, y, ce);
-      break;
-    } catch (const c10::OutOfMemoryError&) {
-      ++failed;
-    }
+    if (step_under_budget(trainer, x, y, slack)) break;
+    ++failed;
     const std::vector<torch::Tensor> now = model_tensors(net);
     for (size_t i = 0; i < before.size(); ++i)
       ASSERT_TRUE(torch::equal(before[i], now[i])) << "tensor " << i << ", slack " << slack;
