@@ -625,7 +625,7 @@ std::vector<CheckpointSequentialImpl::Segment> respect_starts(
   if (may_begin.empty()) return plan;
   std::vector<CheckpointSequentialImpl::Segment> out;
   for (CheckpointSequentialImpl::Segment s : plan) {
-    while (!out.empty() && s.begin < s.end && s.begin < may_begin.size() && !may_begin[s.begin]) {
+    while (!out.empty() && s.begin < s.end && !may_begin[s.begin]) {
       ++out.back().end;
       ++s.begin;
     }

@@ -315,6 +315,9 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
 }
 
 void Trainer::save_buffers() {
+  // Every buffer, written or not: BatchNorm's kernels update the running statistics without bumping their
+  // version counters. But for one whose elements share memory (an expanded view): it cannot be written in
+  // place, by a forward either, and a copy would take its expanded size.
   // NOTE: on CUDA the copies into pinned memory are asynchronous: they run on the current stream before the
   // forward that updates the buffers, and a copy back runs after them.
   const auto buffers = model_->buffers();
@@ -322,6 +325,10 @@ void Trainer::save_buffers() {
   for (size_t i = 0; i < buffers.size(); ++i) {
     const torch::Tensor& b = buffers[i];
     torch::Tensor& saved = saved_buffers_[i];
+    if (at::has_internal_overlap(b) == at::MemOverlap::Yes) {
+      saved = torch::Tensor();
+      continue;
+    }
     if (!saved.defined() || saved.sizes() != b.sizes() || saved.scalar_type() != b.scalar_type())
       saved = host_empty(b.sizes(), b.scalar_type());
     saved.copy_(b, /*non_blocking=*/true);
@@ -330,14 +337,11 @@ void Trainer::save_buffers() {
 }
 
 void Trainer::restore_buffers() {
-  // Every buffer, written or not: BatchNorm's kernels update the running statistics without bumping their
-  // version counters. A buffer whose elements share memory (an expanded view) cannot be written in place, by
-  // a forward either, and is left be.
   torch::NoGradGuard no_grad;
   const auto buffers = model_->buffers();
   for (size_t i = 0; i < buffers.size() && i < saved_buffers_.size(); ++i) {
+    if (!saved_buffers_[i].defined()) continue;
     torch::Tensor b = buffers[i];
-    if (at::has_internal_overlap(b) == at::MemOverlap::Yes) continue;
     b.copy_(saved_buffers_[i], /*non_blocking=*/true);
     detail::record_host_use(saved_buffers_[i], b.device());
   }

@@ -6,6 +6,7 @@
 
 #include "zoo/zoo.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -714,8 +715,15 @@ TEST(TrainerErrors, AnOutOfMemoryMidStepPutsTheBuffersBack) {
   auto twin = make();
   Trainer trainer(net, adamw(1e-3), Recipe().micro_batch(64));
   Trainer twin_trainer(twin, adamw(1e-3), Recipe().micro_batch(64));
+  // The copies take the buffers' bytes in the host arena, once (the Shift's expanded buffer is not copied).
+  int64_t buffer_bytes = 0;
+  for (const auto& b : net->buffers())
+    if (at::has_internal_overlap(b) != at::MemOverlap::Yes) buffer_bytes += static_cast<int64_t>(b.nbytes());
+  const int64_t host_before = host_memory_stats().current;
   trainer.step(x, y, ce);
+  EXPECT_EQ(host_memory_stats().current - host_before, buffer_bytes);
   twin_trainer.step(x, y, ce);
+  const int64_t host_kept = host_memory_stats().current;
   const std::vector<torch::Tensor> before = model_tensors(net);
   int failed = 0;
   for (int64_t slack = 0;; slack += 32 << 10) {
@@ -727,6 +735,7 @@ TEST(TrainerErrors, AnOutOfMemoryMidStepPutsTheBuffersBack) {
       ASSERT_TRUE(torch::equal(before[i], now[i])) << "tensor " << i << ", slack " << slack;
   }
   EXPECT_GT(failed, 10);
+  EXPECT_EQ(host_memory_stats().current, host_kept);
   twin_trainer.step(x, y, ce);
   expect_equal(model_tensors(net), model_tensors(twin));
 }

@@ -187,7 +187,8 @@ class Trainer {
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   std::optional<amp::GradScaler> scaler_;
   std::unique_ptr<GradientAccumulator> accumulator_;
-  std::vector<torch::Tensor> saved_buffers_;  ///< host arena copies of the model's buffers
+  /// host arena copies of the model's buffers (undefined for one whose elements share memory)
+  std::vector<torch::Tensor> saved_buffers_;
 };
 
 }  // namespace memsave
