@@ -6,7 +6,6 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
-#include <limits>
 #include <utility>
 
 namespace memsave {
@@ -64,8 +63,9 @@ int64_t parse_bytes(const std::string& text) {
               "' (valid: ", kValidUnits, ")");
 
   const long double bytes = std::strtold(number.c_str(), nullptr) * scale;
-  TORCH_CHECK(bytes < static_cast<long double>(std::numeric_limits<int64_t>::max()), "invalid size '", text,
-              "': too large");
+  // 2^63, exact in every floating type: INT64_MAX itself passes where long double holds it (x86's 64 bits)
+  // and a value that rounded up to 2^63 never reaches the cast.
+  TORCH_CHECK(bytes < 9223372036854775808.0L, "invalid size '", text, "': too large");
   const long double rounded = std::nearbyint(bytes);
   TORCH_CHECK(std::fabs(bytes - rounded) < 1e-6L * std::max(1.0L, bytes), "invalid size '", text,
               "': not a whole number of bytes");

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 namespace memsave {
@@ -43,6 +45,17 @@ TEST(ParseBytes, RejectsMalformedSizesWithAReason) {
   expect_rejected("1e9", "unknown unit");
   expect_rejected("0.3B", "whole number");
   expect_rejected("99999999999TB", "too large");
+  expect_rejected("9223372036854775808", "too large");  // INT64_MAX + 1
+  expect_rejected("8EiB", "unknown unit");
+}
+
+TEST(ParseBytes, ReadsTheLargestSize) {
+  if constexpr (std::numeric_limits<long double>::digits >= 63) {  // where long double holds INT64_MAX
+    EXPECT_EQ(parse_bytes("9223372036854775807"), std::numeric_limits<int64_t>::max());
+    EXPECT_EQ(parse_bytes("9223372036854775807 B"), std::numeric_limits<int64_t>::max());
+  }
+  EXPECT_EQ(parse_bytes("8388607TiB"), int64_t{8388607} << 40);  // the largest whole TiB count
+  expect_rejected("8388608TiB", "too large");                    // 2^63
 }
 
 TEST(FormatBytes, UsesBinaryUnits) {
