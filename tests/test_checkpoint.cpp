@@ -675,6 +675,21 @@ TEST(CheckpointErrors, AnInferenceTensorInputGetsLibTorchsAdvice) {
   }
 }
 
+TEST(CheckpointErrors, AnEmptyModuleIsNamedAsSuch) {
+  // An empty holder (a member not yet assigned) would otherwise get LibTorch's "Accessing empty
+  // ModuleHolder".
+  for (const auto& make :
+       std::vector<std::function<void()>>{[] { (void)nn::Checkpoint(tnn::Linear(nullptr)); },
+                                          [] { (void)nn::Checkpoint(std::shared_ptr<tnn::LinearImpl>()); }}) {
+    try {
+      make();
+      FAIL() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("Checkpoint: module is empty"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(CheckpointErrors, BadSegmentCounts) {
   EXPECT_THROW(checkpoint_sequential(mlp(), 0), c10::Error);
   EXPECT_THROW(checkpoint_sequential(mlp(), 6), c10::Error);

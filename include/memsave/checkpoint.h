@@ -82,7 +82,7 @@ class CheckpointImpl : public torch::nn::Module {
   }
   template <typename ModuleType>
   explicit CheckpointImpl(torch::nn::ModuleHolder<ModuleType> module, CheckpointOptions options = {})
-      : CheckpointImpl(module.ptr(), options) {}
+      : CheckpointImpl(module.is_empty() ? nullptr : module.ptr(), options) {}
 
   torch::Tensor forward(const torch::Tensor& input);
   void pretty_print(std::ostream& stream) const override;
