@@ -212,7 +212,6 @@ void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch) {
     const int64_t measured = measure(setup, r, batch, torch::kCPU, 2).peak;
     const double error =
         std::abs(static_cast<double>(model.predict(r) - measured)) / static_cast<double>(measured);
-    printf("%s %lld %lld\n", r.label().c_str(), (long long)model.predict(r), (long long)measured);
     EXPECT_LE(error, 0.01) << r.label() << ": predicted " << model.predict(r) << ", measured " << measured;
   }
 }
