@@ -1,9 +1,15 @@
-// Gradient accumulation on the CPU: the peak of a training step (forward, backward, AdamW step) over the full
-// batch against the same batch in 4 micro-batches, through memsave::Trainer, same model, batch and seed, one
-// invocation. The activation peak is the step's peak minus parameters, optimizer state (memsave::breakdown)
-// and one gradient per parameter (the Trainer frees gradients after each step, so they do not exist when the
-// breakdown is taken, but they do at the step's peak); throughput is items per second, median over the timed
-// steps.
+// One training step (forward, loss, backward, AdamW step) on the CPU, three ways, same model, batch and seed,
+// one invocation: a plain LibTorch loop (zero_grad, forward, loss, backward, torch::optim::AdamW::step), and
+// memsave::Trainer over the full batch and over 4 micro-batches with the loss normalized over the window. The
+// LibTorch loop is the reference of every ratio: the Trainer's full-batch row is what its guarantees cost (a
+// failed step changes nothing: room made for the optimizer's step, the buffers copied to the host arena), the
+// micro-batch row what accumulation saves and costs.
+//
+// Memory: each loop alone, its second step's peak (the first creates the optimizer state). The activation
+// peak is the step's peak minus parameters, optimizer state (memsave::breakdown) and one gradient per
+// parameter (the Trainer frees gradients after each step, so they do not exist when the breakdown is taken,
+// but they do at the step's peak). Time: the three loops side by side, their steps taken in turn (so that the
+// machine's drift reaches all three alike), each the whole call, median over the timed steps.
 //   build/bench/memsave_bench_accumulate [--steps N]
 #include <memsave/memory.h>
 #include <memsave/trainer.h>
@@ -15,57 +21,124 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cstdio>
+#include <functional>
+#include <memory>
 #include <vector>
 
 namespace {
 
+constexpr double kLr = 1e-4;
+constexpr double kWeightDecay = 1e-2;
+
+/// A model, its optimizer and its batch, behind one training step.
+struct Loop {
+  std::function<int64_t()> step;                                ///< one step; returns its peak
+  std::function<memsave::MemoryBreakdown(int64_t peak)> split;  ///< that peak's parts, after the step
+};
+
+/// The loop a LibTorch user writes (its output and loss live until the step is done).
+Loop libtorch_loop(const memsave::zoo::Workload& w, int64_t batch) {
+  torch::manual_seed(0);
+  auto net = w.make_model();
+  net->train();
+  auto optimizer = std::make_shared<torch::optim::AdamW>(
+      net->parameters(), torch::optim::AdamWOptions(kLr).weight_decay(kWeightDecay));
+  auto data = std::make_shared<memsave::zoo::Batch>(w.make_batch(batch, torch::kCPU));
+  return {[=]() mutable {
+            memsave::PeakScope scope(torch::kCPU);
+            optimizer->zero_grad();
+            const torch::Tensor output = net->forward(data->input);
+            const torch::Tensor loss = w.loss(output, data->target);
+            loss.backward();
+            optimizer->step();
+            return scope.peak();
+          },
+          [=](int64_t peak) {  // the gradients are live
+            return memsave::breakdown(peak, net->parameters(), optimizer.get(), torch::kCPU);
+          }};
+}
+
+Loop trainer_loop(const memsave::zoo::Workload& w, int64_t batch, int64_t micro) {
+  torch::manual_seed(0);
+  auto net = w.make_model();
+  auto trainer = std::make_shared<memsave::Trainer>(net, memsave::adamw(kLr, kWeightDecay),
+                                                    memsave::Recipe().micro_batch(micro));
+  auto data = std::make_shared<memsave::zoo::Batch>(w.make_batch(batch, torch::kCPU));
+  return {[=] { return trainer->step(data->input, data->target, w.loss).peak_bytes; },
+          [=](int64_t peak) {
+            memsave::MemoryBreakdown parts =
+                memsave::breakdown(peak, net->parameters(), &trainer->optimizer(), torch::kCPU);
+            parts.gradients = parts.parameters;  // fp32 gradients of fp32 parameters
+            parts.other -= parts.gradients;
+            return parts;
+          }};
+}
+
 struct Result {
   memsave::MemoryBreakdown parts;
+  int64_t host_bytes = 0;  ///< the host arena the loop holds after a step
   double seconds = 0;
 };
 
-Result run(const std::string& model, int64_t batch, int64_t micro, int steps) {
-  torch::manual_seed(0);
-  const memsave::zoo::Workload w = memsave::zoo::workload(model);
-  auto net = w.make_model();
-  memsave::Trainer trainer(net, memsave::adamw(1e-4), memsave::Recipe().micro_batch(micro));
-  const auto data = w.make_batch(batch, torch::kCPU);
-  std::vector<double> times;
+Result measure_memory(const std::function<Loop()>& make) {
+  const int64_t host_before = memsave::host_memory_stats().current;
+  const Loop loop = make();
+  loop.step();
   Result result;
-  for (int s = 0; s <= steps; ++s) {  // step 0 creates the optimizer state and is not timed
-    const memsave::StepStats stats = trainer.step(data.input, data.target, w.loss);
-    if (s > 0) times.push_back(stats.seconds);
-    result.parts = memsave::breakdown(stats.peak_bytes, net->parameters(), &trainer.optimizer(), torch::kCPU);
-    result.parts.gradients = result.parts.parameters;  // fp32 gradients of fp32 parameters
-    result.parts.other -= result.parts.gradients;
-  }
-  result.seconds = memsave::bench::median(times);
+  result.parts = loop.split(loop.step());
+  result.host_bytes = memsave::host_memory_stats().current - host_before;
   return result;
 }
+
+double ratio(int64_t a, int64_t b) { return static_cast<double>(a) / static_cast<double>(b); }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   memsave::install_meter();
   memsave::bench::Args args(argc, argv);
-  const int steps = static_cast<int>(args.integer("--steps", 3, /*min=*/1));
+  const int steps = static_cast<int>(args.integer("--steps", 5, /*min=*/1));
   args.finish();
-  std::printf("threads %d, median of %d timed steps after one untimed\n\n", at::get_num_threads(), steps);
+  std::printf("threads %d; time: median of %d timed steps per loop after one untimed, the loops in turn\n\n",
+              at::get_num_threads(), steps);
   std::printf(
-      "| model | batch | micro-batch | peak | activations and other | items/s | activations vs full | "
-      "throughput vs full |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+      "| model | loop | micro-batch | peak | activations and other | host arena | items/s "
+      "| peak − LibTorch's | peak vs LibTorch | activations vs LibTorch | throughput vs LibTorch |\n"
+      "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   const std::pair<const char*, int64_t> cases[] = {{"gpt-12l", 16}, {"resnet50", 16}};
   for (const auto& [model, batch] : cases) {
-    const Result full = run(model, batch, 0, steps);
-    const Result micro = run(model, batch, batch / 4, steps);
-    for (const auto* r : {&full, &micro}) {
-      std::printf("| %s | %lld | %lld | %s | %s | %.1f | %.2f× | %.2f× |\n", model,
-                  static_cast<long long>(batch), static_cast<long long>(r == &full ? batch : batch / 4),
-                  memsave::format_bytes(r->parts.total).c_str(),
-                  memsave::format_bytes(r->parts.other).c_str(), static_cast<double>(batch) / r->seconds,
-                  static_cast<double>(r->parts.other) / static_cast<double>(full.parts.other),
-                  full.seconds / r->seconds);
+    const memsave::zoo::Workload w = memsave::zoo::workload(model);
+    const int64_t micro = batch / 4;
+    const std::vector<std::function<Loop()>> makers{[&] { return libtorch_loop(w, batch); },
+                                                    [&] { return trainer_loop(w, batch, 0); },
+                                                    [&] { return trainer_loop(w, batch, micro); }};
+    std::vector<Result> results;
+    for (const auto& make : makers) results.push_back(measure_memory(make));
+
+    std::vector<Loop> loops;
+    for (const auto& make : makers) loops.push_back(make());
+    std::vector<std::vector<double>> times(loops.size());
+    for (int s = 0; s <= steps; ++s) {  // step 0 creates the optimizer state and is not timed
+      for (size_t i = 0; i < loops.size(); ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        loops[i].step();
+        if (s > 0) times[i].push_back(memsave::bench::seconds_since(start));
+      }
+    }
+    for (size_t i = 0; i < loops.size(); ++i) results[i].seconds = memsave::bench::median(times[i]);
+
+    const Result& stock = results[0];
+    for (size_t i = 0; i < results.size(); ++i) {
+      const Result& r = results[i];
+      std::printf("| %s | %s | %lld | %s | %s | %s | %.1f | %lld B | %.4f× | %.2f× | %.2f× |\n", model,
+                  i == 0 ? "LibTorch" : "Trainer", static_cast<long long>(i == 2 ? micro : batch),
+                  memsave::format_bytes(r.parts.total).c_str(), memsave::format_bytes(r.parts.other).c_str(),
+                  memsave::format_bytes(r.host_bytes).c_str(), static_cast<double>(batch) / r.seconds,
+                  static_cast<long long>(r.parts.total - stock.parts.total),
+                  ratio(r.parts.total, stock.parts.total), ratio(r.parts.other, stock.parts.other),
+                  stock.seconds / r.seconds);
       std::fflush(stdout);
     }
   }
