@@ -285,18 +285,26 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
     accumulator_->begin_window(total);
     for (size_t i = 0; i < parts.size(); ++i) {
       if (items[i] == 0) continue;  // nothing in it counts: skip its forward altogether
-      torch::Tensor value;
-      {  // NOTE: the output is not held through the backward (the loss's graph keeps what it needs of it):
-         // a decoder's logits can be the largest tensor of the step.
-        const torch::Tensor output = forward(parts[i][0]);
-        std::optional<amp::Autocast> autocast;
-        if (recipe_.amp()) autocast.emplace(device_.type(), *recipe_.amp());
-        value = loss(output, parts[i][1]);
+      try {
+        torch::Tensor value;
+        {  // NOTE: the output is not held through the backward (the loss's graph keeps what it needs of it):
+           // a decoder's logits can be the largest tensor of the step.
+          const torch::Tensor output = forward(parts[i][0]);
+          std::optional<amp::Autocast> autocast;
+          if (recipe_.amp()) autocast.emplace(device_.type(), *recipe_.amp());
+          value = loss(output, parts[i][1]);
+        }
+        TORCH_CHECK(value.defined() && value.dim() == 0,
+                    "Trainer::step: the loss function must return a scalar, got ",
+                    value.defined() ? value.sizes() : c10::IntArrayRef{});
+        accumulator_->backward(value, items[i]);
+      } catch (c10::Error& e) {
+        // The micro-batch an error came from: the split is the Trainer's, not the user's (a last micro-batch
+        // of one row is what BatchNorm refuses). The error keeps its type (an out-of-memory stays one).
+        e.add_context(c10::str("Trainer::step: in micro-batch ", i + 1, " of ", parts.size(), " (",
+                               parts[i][0].size(0), " of the batch's ", input.size(0), " rows)"));
+        throw;
       }
-      TORCH_CHECK(value.defined() && value.dim() == 0,
-                  "Trainer::step: the loss function must return a scalar, got ",
-                  value.defined() ? value.sizes() : c10::IntArrayRef{});
-      accumulator_->backward(value, items[i]);
     }
     const WindowStep window = accumulator_->step();
     stats.loss = window.loss;

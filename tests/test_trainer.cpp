@@ -618,6 +618,50 @@ TEST(TrainerErrors, BadBatchesChangeNothing) {
     EXPECT_FALSE(p.grad().defined() && p.grad().abs().sum().item<double>() > 0);
 }
 
+TEST(TrainerErrors, AnErrorInAMicroBatchSaysWhichAndChangesNothing) {
+  // 17 rows in micro-batches of 4: the fifth has one row, which BatchNorm refuses in train mode. The error
+  // says where it came from (the user's batch has 17 rows), and nothing has moved.
+  torch::manual_seed(0);
+  auto net = tnn::Sequential(tnn::Linear(6, 8), tnn::BatchNorm1d(8), tnn::ReLU(), tnn::Linear(8, 4));
+  Trainer trainer(net, adamw(), Recipe().micro_batch(4));
+  std::vector<torch::Tensor> before;
+  for (const auto& t : net->parameters()) before.push_back(t.detach().clone());
+  for (const auto& t : net->buffers()) before.push_back(t.detach().clone());
+  try {
+    trainer.step(torch::randn({17, 6}), torch::randint(4, {17}), ce);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("Expected more than 1 value per channel"), std::string::npos) << message;
+    EXPECT_NE(message.find("Trainer::step: in micro-batch 5 of 5 (1 of the batch's 17 rows)"),
+              std::string::npos)
+        << message;
+  }
+  std::vector<torch::Tensor> after = net->parameters();
+  for (const auto& t : net->buffers()) after.push_back(t);
+  ASSERT_EQ(before.size(), after.size());
+  for (size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(torch::equal(before[i], after[i])) << "tensor " << i;
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+
+  // An out-of-memory keeps its type (callers such as the rescue catch it as one) and gains the same context.
+  install_meter();
+  const auto batch = cnn_batch(64);
+  auto cnn = zoo::fashion_cnn();
+  Trainer small(cnn, adamw(), Recipe().micro_batch(16));
+  small.step(batch.input, batch.target, ce);
+  ScopedBudget budget(torch::kCPU, memory_stats(torch::kCPU).current + 2'000'000);
+  try {
+    small.step(batch.input, batch.target, ce);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::OutOfMemoryError& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace())
+                  .find("Trainer::step: in micro-batch 1 of 4 (16 of the "
+                        "batch's 64 rows)"),
+              std::string::npos)
+        << e.what_without_backtrace();
+  }
+}
+
 TEST(TrainerErrors, AnOutOfMemoryMidStepLeavesTheModelAsItWas) {
   install_meter();
   torch::manual_seed(0);
