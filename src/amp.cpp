@@ -61,21 +61,21 @@ std::vector<torch::Tensor> checked_gradients(const torch::optim::Optimizer& opti
 
 Autocast::Autocast(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled)
     : device_type_(device_type),
+      dtype_(dtype),
       previous_enabled_(compat::autocast_enabled(device_type)),
       previous_dtype_(compat::autocast_dtype(device_type)) {
   TORCH_CHECK(device_type == c10::kCPU || device_type == c10::kCUDA,
               "Autocast: device_type must be cpu or cuda, got ", device_type);
-  TORCH_CHECK(device_type != c10::kCPU || dtype == c10::kBFloat16,
-              "Autocast: on the CPU dtype must be BFloat16, got ", dtype);
   TORCH_CHECK(dtype == c10::kHalf || dtype == c10::kBFloat16,
               "Autocast: dtype must be Half or BFloat16, got ", dtype);
   compat::set_autocast_enabled(device_type, enabled);
   compat::set_autocast_dtype(device_type, dtype);
+  if (dtype != previous_dtype_) at::autocast::clear_cache();
   at::autocast::increment_nesting();
 }
 
 Autocast::~Autocast() {
-  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+  if (at::autocast::decrement_nesting() == 0 || dtype_ != previous_dtype_) at::autocast::clear_cache();
   compat::set_autocast_enabled(device_type_, previous_enabled_);
   compat::set_autocast_dtype(device_type_, previous_dtype_);
 }

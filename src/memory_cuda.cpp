@@ -100,6 +100,11 @@ void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes) {
   c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, index);
 }
 
+std::pair<int, int> cuda_compute_capability(c10::DeviceIndex index) {
+  const cudaDeviceProp* properties = at::cuda::getDeviceProperties(index);
+  return {properties->major, properties->minor};
+}
+
 std::optional<kernels::RawMemory> cuda_pinned_memory() {
   if (c10::cuda::device_count() == 0) return std::nullopt;
   return kernels::RawMemory{&pinned_allocate, &pinned_release};

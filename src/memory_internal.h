@@ -1,4 +1,5 @@
-// What src/memory.cpp needs from the CUDA glue (src/memory_cuda.cpp, built with MEMSAVE_WITH_CUDA).
+// What the rest of memsave needs from the meter's CUDA glue (src/memory_cuda.cpp, built with
+// MEMSAVE_WITH_CUDA).
 #pragma once
 
 #include "../kernels/byte_pool.h"
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace memsave::detail {
 
@@ -23,6 +25,8 @@ c10::DeviceIndex cuda_current_device();
 DeviceCounts cuda_counts(c10::DeviceIndex index);
 void cuda_reset_peak(c10::DeviceIndex index);
 void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes);
+/// The compute capability (major, minor) of CUDA device `index`.
+std::pair<int, int> cuda_compute_capability(c10::DeviceIndex index);
 /// Pinned host memory from the CUDA runtime, or nothing when no CUDA device is usable.
 std::optional<kernels::RawMemory> cuda_pinned_memory();
 /// The current stream of CUDA device `index`.

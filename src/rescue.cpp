@@ -6,6 +6,7 @@
 #include "memsave/optim.h"
 
 #include "autograd_graph.h"
+#include "memory_internal.h"
 #include "step_room.h"
 
 #include <ATen/SequenceNumber.h>
@@ -110,15 +111,18 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
   return m;
 }
 
-MemoryModel MemoryModel::profile(const TrainingSetup& setup, int64_t batch, c10::Device device) {
+MemoryModel MemoryModel::profile(const TrainingSetup& setup, int64_t batch, c10::Device device,
+                                 c10::ScalarType amp) {
   TORCH_CHECK(setup.make_model && setup.make_batch && setup.loss && setup.optimizer,
               "MemoryModel: the training setup is incomplete (model, batch, loss and optimizer factories)");
   TORCH_CHECK(batch > 0, "MemoryModel: batch must be > 0, got ", batch);
+  TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "MemoryModel: amp must be BFloat16 or Half, got ",
+              amp);
   // The whole batch when the device holds it; otherwise halves, scaled up linearly.
   const BoundedRun host(device, host_room(device));
   for (int64_t rows = batch;; rows = (rows + 1) / 2) {
     try {
-      return profile_rows(setup, batch, rows, device);
+      return profile_rows(setup, batch, rows, device, amp);
     } catch (const c10::OutOfMemoryError&) {
       if (rows == 1) throw;
     }
@@ -126,10 +130,11 @@ MemoryModel MemoryModel::profile(const TrainingSetup& setup, int64_t batch, c10:
 }
 
 MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows_,
-                                      c10::Device device) {
+                                      c10::Device device, c10::ScalarType amp_dtype) {
   MemoryModel model;
   model.batch_ = batch;
   model.rows_ = rows_;
+  model.amp_dtype_ = amp_dtype;
 
   torch::manual_seed(0);
   torch::nn::Sequential net = setup.make_model();
@@ -208,7 +213,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     };
     {
       std::optional<amp::Autocast> autocast;
-      if (amp) autocast.emplace(device.type(), c10::kBFloat16);
+      if (amp) autocast.emplace(device.type(), amp_dtype);
       torch::Tensor x = in;
       int64_t in_use = start;
       for (size_t i = 0; i < n; ++i) {
@@ -436,6 +441,9 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
 }
 
 int64_t MemoryModel::predict(const Recipe& recipe) const {
+  TORCH_CHECK(!recipe.amp() || *recipe.amp() == amp_dtype_,
+              "MemoryModel::predict: the recipe's mixed precision is ", recipe.amp().value_or(amp_dtype_),
+              " but the profile ran under ", amp_dtype_, " autocast (MemoryModel::profile's amp)");
   const int64_t rows = recipe.micro_batch() == 0 ? batch_ : std::min(recipe.micro_batch(), batch_);
   const Activations& a = recipe.amp() ? amp_ : fp32_;
   const double held =
@@ -447,15 +455,30 @@ int64_t MemoryModel::predict(const Recipe& recipe) const {
   return static_cast<int64_t>(std::llround(std::max(pass, step)));
 }
 
-std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device, bool four_bit_state) {
-  (void)device;  // bf16 autocast on both the CPU and CUDA: no scaler needed
-  std::vector<Recipe> levels;
+c10::ScalarType mixed_precision_dtype(c10::Device device) {
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "mixed_precision_dtype: device must be cpu or cuda, got ",
+              device);
+  if (device.is_cpu()) return c10::kBFloat16;
+#ifdef MEMSAVE_WITH_CUDA
+  TORCH_CHECK(torch::cuda::is_available(), "mixed_precision_dtype: device ", device,
+              " requested but no CUDA device is available");
+  const c10::DeviceIndex index = device.has_index() ? device.index() : detail::cuda_current_device();
+  return detail::cuda_compute_capability(index).first >= 8 ? c10::kBFloat16 : c10::kHalf;
+#else
+  TORCH_CHECK(false, "memsave: this build has no CUDA support (configure with -DMEMSAVE_WITH_CUDA=ON)");
+#endif
+}
+
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp, bool four_bit_state) {
+  TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "checklist: amp must be BFloat16 or Half, got ",
+              amp);
+  std::vector<Recipe> levels;  // fp16 (Recipe's kAuto) scales the gradients, bf16 does not
   levels.push_back(Recipe());
-  levels.push_back(Recipe().amp(c10::kBFloat16));
+  levels.push_back(Recipe().amp(amp));
   const auto root = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(elements))));
   if (root >= 2 && root < static_cast<int64_t>(elements))
-    levels.push_back(Recipe().amp(c10::kBFloat16).checkpoint(Checkpointing::segments(root)));
-  if (elements >= 2) levels.push_back(Recipe().amp(c10::kBFloat16).checkpoint(Checkpointing::every_layer()));
+    levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::segments(root)));
+  if (elements >= 2) levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::every_layer()));
   levels.push_back(Recipe(levels.back()).state_bits(8));
   if (four_bit_state) levels.push_back(Recipe(levels.back()).state_bits(4));
   // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
@@ -519,8 +542,10 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
                 format_bytes(*room),
                 " now (nine tenths of what it has available); give a budget of at most "
                 "that, or run on a CUDA device");
+  const c10::ScalarType amp = options.amp() ? *options.amp() : mixed_precision_dtype(options.device());
+  TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "rescue: amp must be BFloat16 or Half, got ", amp);
   RescuePlan plan;
-  const MemoryModel model = MemoryModel::profile(setup, options.batch(), options.device());
+  const MemoryModel model = MemoryModel::profile(setup, options.batch(), options.device(), amp);
   plan.parameter_bytes = model.parameter_bytes();
   if (options.budget() < plan.parameter_bytes) {
     plan.below_parameters = true;
@@ -528,7 +553,7 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   }
 
   const std::vector<Recipe> recipes =
-      checklist(options.batch(), model.elements(), options.device(), builds_four_bit_state(setup.optimizer));
+      checklist(options.batch(), model.elements(), amp, builds_four_bit_state(setup.optimizer));
   for (const Recipe& r : recipes) {
     Candidate c;
     c.recipe = r;

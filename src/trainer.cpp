@@ -37,7 +37,7 @@ std::string dtype_cpp(c10::ScalarType dtype) {
   }
 }
 
-void check_recipe(const Recipe& r, c10::Device device) {
+void check_recipe(const Recipe& r) {
   TORCH_CHECK(r.micro_batch() >= 0, "Recipe: micro_batch must be >= 0 (0: the whole batch), got ",
               r.micro_batch());
   TORCH_CHECK(r.state_bits() == 32 || r.state_bits() == 8 || r.state_bits() == 4,
@@ -48,9 +48,6 @@ void check_recipe(const Recipe& r, c10::Device device) {
     const c10::ScalarType dtype = *r.amp();
     TORCH_CHECK(dtype == c10::kBFloat16 || dtype == c10::kHalf, "Recipe: amp must be BFloat16 or Half, got ",
                 dtype);
-    TORCH_CHECK(!(dtype == c10::kHalf && device.is_cpu()),
-                "Recipe: amp Half needs a CUDA model (CPU autocast is BFloat16 only); the model is on ",
-                device);
   }
   TORCH_CHECK(
       !r.offload_activations() || r.checkpoint().kind != Checkpointing::Kind::kNone,
@@ -204,7 +201,7 @@ void Trainer::apply(const torch::nn::Sequential& model) {
   for (const auto& p : parameters)
     TORCH_CHECK(p.device() == device_, "Trainer: the model's parameters are on several devices (", device_,
                 " and ", p.device(), ")");
-  check_recipe(recipe_, device_);
+  check_recipe(recipe_);
 
   const Checkpointing& c = recipe_.checkpoint();
   const auto n = static_cast<int64_t>(model->size());

@@ -290,7 +290,34 @@ TEST(Autocast, RunsMatmulsInBFloat16OnTheCpuAndRestoresTheState) {
     EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kBFloat16);
   }
   EXPECT_EQ(torch::mm(a, b).scalar_type(), torch::kFloat);
-  EXPECT_THROW(Autocast(torch::kCPU, torch::kHalf), c10::Error);
+  EXPECT_THROW(Autocast(torch::kCPU, torch::kFloat), c10::Error);
+  EXPECT_THROW(Autocast(torch::kMeta, torch::kBFloat16), c10::Error);
+}
+
+TEST(Autocast, RunsFp16OnTheCpuAsTheExplicitCastsDo) {
+  // LibTorch's CPU autocast takes fp16 as well (for recipes meant for CUDA cards without bf16, tried on the
+  // CPU): a Linear computes in fp16 what it computes on inputs cast by hand, and a loss stays fp32.
+  torch::manual_seed(0);
+  torch::nn::Linear linear(64, 32);
+  const auto x = torch::randn({16, 64});
+  const auto target = torch::randint(32, {16}, torch::kLong);
+  const auto by_hand = torch::nn::functional::linear(x.to(torch::kHalf), linear->weight.to(torch::kHalf),
+                                                     linear->bias.to(torch::kHalf));
+  {
+    Autocast fp16(torch::kCPU, torch::kHalf);
+    const auto y = linear(x);
+    EXPECT_EQ(y.scalar_type(), torch::kHalf);
+    EXPECT_TRUE(torch::equal(y, by_hand));
+    const auto loss = torch::nn::functional::cross_entropy(y, target);
+    EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+    EXPECT_TRUE(torch::equal(loss, torch::nn::functional::cross_entropy(by_hand.to(torch::kFloat), target)));
+    {
+      Autocast bf16(torch::kCPU, torch::kBFloat16);
+      EXPECT_EQ(linear(x).scalar_type(), torch::kBFloat16);
+    }
+    EXPECT_EQ(linear(x).scalar_type(), torch::kHalf);  // the inner guard restored fp16
+  }
+  EXPECT_EQ(linear(x).scalar_type(), torch::kFloat);
 }
 
 /// Two twins trained with a GradScaler: `fused` lets the scaler fuse the unscale into AdamW8bit's kernels,

@@ -234,6 +234,28 @@ TEST(Cli, RescueWithAWideTieRecommendsTheFirstRecipeThatFits) {
   EXPECT_EQ(invoke_stdout("rescue --model mlp --batch 8 --budget 60MiB --tie -0.1").code, 2);
 }
 
+TEST(Cli, RescueAndEstimateTakeTheMixedPrecisionDtype) {
+  // --amp fp16: a recipe for a card without bf16 (V100, T4), planned on the CPU.
+  const Result r = invoke_stdout("rescue --model mlp --batch 8 --budget 60MiB --steps 2 --amp fp16 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  int mixed = 0;
+  for (const auto& c : j["candidates"]) {
+    const std::string cpp = c["cpp"].get<std::string>();
+    if (!contains(cpp, ".amp(")) continue;
+    ++mixed;
+    EXPECT_TRUE(contains(cpp, ".amp(torch::kHalf)")) << cpp;
+    EXPECT_TRUE(contains(c["recipe"].get<std::string>(), "fp16")) << c["recipe"];
+  }
+  EXPECT_GT(mixed, 0);
+  const Result bf16 = invoke_stdout("estimate --model mlp --batch 8");  // auto: bf16 on the CPU
+  ASSERT_EQ(bf16.code, 0) << bf16.output;
+  EXPECT_TRUE(contains(bf16.output, "bf16")) << bf16.output;
+  EXPECT_FALSE(contains(bf16.output, "fp16")) << bf16.output;
+  EXPECT_EQ(invoke("rescue --model mlp --batch 8 --budget 60MiB --amp fp32").code, 2);
+  EXPECT_EQ(invoke("estimate --model mlp --batch 8 --amp fp8").code, 2);
+}
+
 TEST(Cli, RescueBelowTheParametersExitsAtOnce) {
   const Result r = invoke_stdout("rescue --model mlp --batch 8 --budget 1MiB");  // 5.3M parameters: 21 MB
   EXPECT_EQ(r.code, 3) << r.output;

@@ -5,6 +5,7 @@
 #include <memsave/memory.h>
 #include <memsave/offload.h>
 #include <memsave/optim.h>
+#include <memsave/rescue.h>
 #include <memsave/trainer.h>
 
 #include "../kernels/fingerprint.h"
@@ -620,6 +621,19 @@ TEST(CudaAmp, FusedUnscaleIsBitIdenticalToTheUnscalePass) {
   };
   const auto fused = run(amp::FuseUnscale::kCuda), plain = run(amp::FuseUnscale::kNever);
   for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(torch::equal(fused[i], plain[i])) << i;
+}
+
+TEST(CudaRescue, MixedPrecisionIsBf16FromAmpereOnAndFp16WithAScalerBefore) {
+  SKIP_WITHOUT_CUDA();
+  const int major = at::cuda::getDeviceProperties(0)->major;
+  const c10::ScalarType dtype = mixed_precision_dtype(kCuda);
+  EXPECT_EQ(dtype, major >= 8 ? torch::kBFloat16 : torch::kHalf) << "compute capability " << major;
+  EXPECT_EQ(mixed_precision_dtype(torch::kCUDA), dtype);  // the current device
+  for (const Recipe& r : checklist(8, 4, dtype)) {
+    if (r.amp()) {
+      EXPECT_EQ(r.scales_gradients(), dtype == torch::kHalf) << r.label();
+    }
+  }
 }
 
 }  // namespace

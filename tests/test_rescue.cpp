@@ -119,10 +119,56 @@ TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
   }
 }
 
+TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
+  install_meter();
+  EXPECT_EQ(mixed_precision_dtype(torch::kCPU), torch::kBFloat16);
+  EXPECT_THROW(mixed_precision_dtype(torch::kMeta), c10::Error);
+  for (const c10::ScalarType amp : {torch::kBFloat16, torch::kHalf}) {
+    SCOPED_TRACE(c10::toString(amp));
+    const std::vector<Recipe> recipes = checklist(8, 4, amp);
+    int mixed = 0;
+    for (const Recipe& r : recipes) {
+      if (!r.amp()) continue;
+      ++mixed;
+      EXPECT_EQ(*r.amp(), amp) << r.label();
+      EXPECT_EQ(r.scales_gradients(), amp == torch::kHalf) << r.label();  // fp16 needs its GradScaler
+    }
+    EXPECT_EQ(mixed, static_cast<int>(recipes.size()) - 4);  // all but fp32 at micro-batches 8, 4, 2, 1
+  }
+  EXPECT_THROW(checklist(8, 4, torch::kFloat), c10::Error);
+
+  // The rescue walks the dtype it is given, and recommends it where mixed precision is what fits.
+  const TrainingSetup setup = training_setup("mlp");  // the smallest of the zoo: fp16 is slow on the CPU
+  const int64_t batch = 8;
+  const MemoryModel bf16 = MemoryModel::profile(setup, batch, torch::kCPU);
+  const MemoryModel fp16 = MemoryModel::profile(setup, batch, torch::kCPU, torch::kHalf);
+  const Recipe mixed = Recipe().amp(torch::kHalf);
+  EXPECT_THROW(bf16.predict(mixed), c10::Error);  // profiled under bf16: no prediction for fp16
+  EXPECT_THROW(fp16.predict(Recipe().amp(torch::kBFloat16)), c10::Error);
+  EXPECT_EQ(fp16.predict(Recipe()), bf16.predict(Recipe()));
+  EXPECT_THROW(MemoryModel::profile(setup, batch, torch::kCPU, torch::kFloat), c10::Error);
+  // Room for every level's whole batch: each level's first candidate runs, with fp16 and its GradScaler.
+  const int64_t budget = 2 * fp16.predict(Recipe());
+  const RescuePlan plan = rescue(setup, RescueOptions(batch, budget).amp(torch::kHalf).steps(2));
+  int ran = 0;
+  for (const Candidate& c : plan.candidates) {
+    if (!c.recipe.amp()) continue;
+    EXPECT_EQ(*c.recipe.amp(), torch::kHalf) << c.recipe.label();
+    EXPECT_NE(c.recipe.to_cpp().find(".amp(torch::kHalf)"), std::string::npos) << c.recipe.to_cpp();
+    if (c.recipe.micro_batch() == 0) {
+      EXPECT_EQ(c.status, Candidate::Status::kFits) << c.recipe.label();
+      ++ran;
+    }
+  }
+  EXPECT_GE(ran, 4);  // fp16, + checkpointing (2 levels), + 8-bit, 4-bit and offloaded state
+  EXPECT_THROW(rescue(setup, RescueOptions(batch, budget).amp(torch::kFloat)), c10::Error);
+}
+
 TEST(Rescue, TheFourBitLevelComesOnlyWithAnOptimizerThatHasIt) {
   EXPECT_TRUE(builds_four_bit_state(adamw()));
   EXPECT_FALSE(builds_four_bit_state(sgd(0.1)));  // 4-bit state is AdamW's only
-  const std::vector<Recipe> with = checklist(8, 4, torch::kCPU, true), without = checklist(8, 4, torch::kCPU);
+  const std::vector<Recipe> with = checklist(8, 4, torch::kBFloat16, true),
+                            without = checklist(8, 4, torch::kBFloat16);
   auto levels = [](const std::vector<Recipe>& recipes) {
     std::vector<std::string> out;
     for (const Recipe& r : recipes)
@@ -203,11 +249,12 @@ TEST(Rescue, OnTheCpuRunsStopAtTheSimulatedDeviceRoom) {
   EXPECT_FALSE(measure(asking(room / 2), Recipe(), 8, torch::kCPU, 2).out_of_memory);
 }
 
-/// Every candidate of the checklist (micro-batches down to a quarter of the batch) predicted within 1% of its
-/// measured peak.
-void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch) {
-  const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU);
-  for (const Recipe& r : checklist(batch, model.elements(), torch::kCPU, /*four_bit_state=*/true)) {
+/// Every candidate of the checklist (micro-batches down to a quarter of the batch, mixed precision in `amp`)
+/// predicted within 1% of its measured peak.
+void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch,
+                                   c10::ScalarType amp = torch::kBFloat16) {
+  const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU, amp);
+  for (const Recipe& r : checklist(batch, model.elements(), amp, /*four_bit_state=*/true)) {
     if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;
     const int64_t measured = measure(setup, r, batch, torch::kCPU, 2).peak;
     const double error =
@@ -230,6 +277,13 @@ TEST(Estimate, PredictsEveryCandidateOfTheChecklistFromOneProfile) {
     SCOPED_TRACE(name);
     expect_predicts_the_checklist(training_setup(name), batch);
   }
+}
+
+TEST(Estimate, PredictsTheFp16ChecklistWithItsGradScaler) {
+  install_meter();
+  // fp16 autocast and the GradScaler it brings, on the CPU (a recipe for a card without bf16). The MLP only:
+  // fp16 matmuls are slow on the CPU, and the model's fp16 terms are the same for every setup.
+  expect_predicts_the_checklist(training_setup("mlp"), 8, torch::kHalf);
 }
 
 TEST(Estimate, PredictsAConvolutionStackWhoseWeightsOutweighItsActivations) {

@@ -43,6 +43,17 @@ c10::Device parse_device(const std::string& name) {
   return c10::Device(name);
 }
 
+/// --amp: bf16, fp16, or auto (nothing: the device's own, memsave::mixed_precision_dtype).
+std::optional<c10::ScalarType> parse_amp(const std::string& name) {
+  if (name == "bf16") return c10::kBFloat16;
+  if (name == "fp16") return c10::kHalf;
+  return std::nullopt;
+}
+
+constexpr const char* kAmpHelp =
+    "Mixed precision's dtype: bf16, fp16 (with a GradScaler) or auto (bf16 on the CPU and on CUDA devices of "
+    "compute capability 8.0 on, fp16 on older ones)";
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,7 +79,7 @@ int main(int argc, char** argv) {
   report_cmd->add_flag("--json", json, "Raw bytes as JSON");
 
   // rescue
-  std::string rescue_model = "gpt-tiny", rescue_budget, rescue_device = "cpu", rescue_plot;
+  std::string rescue_model = "gpt-tiny", rescue_budget, rescue_device = "cpu", rescue_amp = "auto";
   int64_t rescue_batch = 64;
   int rescue_steps = memsave::RescueOptions(1, 1).steps();
   double rescue_tie = memsave::RescueOptions(1, 1).tie();
@@ -85,6 +96,9 @@ int main(int argc, char** argv) {
   rescue_cmd->add_option("--device", rescue_device, "cpu (simulated device) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
+  rescue_cmd->add_option("--amp", rescue_amp, kAmpHelp)
+      ->check(CLI::IsMember({"auto", "bf16", "fp16"}))
+      ->capture_default_str();
   rescue_cmd->add_option("--steps", rescue_steps, "Steps per candidate (>= 2; the first is not timed)")
       ->capture_default_str();
   rescue_cmd
@@ -95,7 +109,7 @@ int main(int argc, char** argv) {
   rescue_cmd->add_flag("--json", rescue_json, "JSON instead of a table");
 
   // estimate
-  std::string estimate_model = "gpt-tiny", estimate_device = "cpu";
+  std::string estimate_model = "gpt-tiny", estimate_device = "cpu", estimate_amp = "auto";
   int64_t estimate_batch = 32;
   CLI::App* estimate_cmd =
       app.add_subcommand("estimate", "Predicted against measured peak for each candidate of the checklist");
@@ -105,6 +119,9 @@ int main(int argc, char** argv) {
   estimate_cmd->add_option("--batch", estimate_batch, "Batch")->capture_default_str();
   estimate_cmd->add_option("--device", estimate_device, "cpu or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  estimate_cmd->add_option("--amp", estimate_amp, kAmpHelp)
+      ->check(CLI::IsMember({"auto", "bf16", "fp16"}))
       ->capture_default_str();
 
   // bench
@@ -151,7 +168,10 @@ int main(int argc, char** argv) {
       TORCH_CHECK(std::isfinite(rescue_tie) && rescue_tie >= 0, "--tie must be a fraction >= 0, got ",
                   rescue_tie);
       memsave::RescueOptions options(rescue_batch, budget_bytes);
-      options.device(parse_device(rescue_device)).steps(rescue_steps).tie(rescue_tie);
+      options.device(parse_device(rescue_device))
+          .amp(parse_amp(rescue_amp))
+          .steps(rescue_steps)
+          .tie(rescue_tie);
       if (!rescue_json && isatty(STDERR_FILENO)) {
         options.progress([](size_t done, size_t total) {
           std::cerr << "\rcandidate " << done << "/" << total << std::flush;
@@ -167,8 +187,9 @@ int main(int argc, char** argv) {
     if (estimate_cmd->parsed()) {
       TORCH_CHECK(estimate_batch > 0, "--batch must be > 0, got ", estimate_batch);
       const c10::Device device = parse_device(estimate_device);
+      const c10::ScalarType amp = parse_amp(estimate_amp).value_or(memsave::mixed_precision_dtype(device));
       const auto rows =
-          memsave::cli::run_estimate(estimate_model, estimate_batch, device, 2, isatty(STDERR_FILENO));
+          memsave::cli::run_estimate(estimate_model, estimate_batch, device, amp, 2, isatty(STDERR_FILENO));
       std::cout << memsave::cli::format_estimate(rows, estimate_model, estimate_batch, device);
       return 0;
     }

@@ -218,13 +218,13 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
   return j.dump(2);
 }
 
-std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps,
-                                   bool progress) {
+std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device,
+                                   c10::ScalarType amp, int steps, bool progress) {
   const TrainingSetup setup = zoo::training_setup(model);
   if (progress) std::cerr << "\rprofiling " << model << std::flush;
-  const MemoryModel memory = MemoryModel::profile(setup, batch, device);
+  const MemoryModel memory = MemoryModel::profile(setup, batch, device, amp);
   std::vector<Recipe> recipes;
-  for (const Recipe& r : checklist(batch, memory.elements(), device, builds_four_bit_state(setup.optimizer)))
+  for (const Recipe& r : checklist(batch, memory.elements(), amp, builds_four_bit_state(setup.optimizer)))
     if (r.micro_batch() == 0 || r.micro_batch() * 4 >= batch)
       recipes.push_back(r);  // micro down to a quarter
   std::vector<Estimate> rows;

@@ -24,9 +24,10 @@ struct Estimate {
   bool out_of_memory = false;
   double error() const { return static_cast<double>(predicted - measured) / static_cast<double>(measured); }
 };
+/// The checklist's candidates (micro-batches down to a quarter of the batch), mixed precision in `amp`.
 /// `progress`: a line on stderr saying what runs (for a terminal).
-std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device, int steps,
-                                   bool progress);
+std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10::Device device,
+                                   c10::ScalarType amp, int steps, bool progress);
 std::string format_estimate(const std::vector<Estimate>& rows, const std::string& model, int64_t batch,
                             c10::Device device);
 

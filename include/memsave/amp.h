@@ -30,8 +30,10 @@ class LowBitOptimizer;
 
 namespace memsave::amp {
 
-/// Enables autocast for one device type with one dtype (CUDA: fp16 or bf16; CPU: bf16) for its lifetime, and
-/// restores the previous state. Guards nest; the outermost one clears the autocast cache when it exits.
+/// Enables autocast for one device type (CPU or CUDA) with one dtype (fp16 or bf16) for its lifetime, and
+/// restores the previous state. Guards nest; the outermost one clears the autocast cache when it exits, and
+/// one that changes the dtype clears it when it starts and exits (the cache keeps one cast per weight, so a
+/// weight cast to fp16 outside would otherwise reach a bf16 region inside).
 class Autocast {
  public:
   Autocast(c10::DeviceType device_type, c10::ScalarType dtype, bool enabled = true);
@@ -41,6 +43,7 @@ class Autocast {
 
  private:
   c10::DeviceType device_type_;
+  c10::ScalarType dtype_;
   bool previous_enabled_;
   c10::ScalarType previous_dtype_;
 };

@@ -16,6 +16,7 @@
 #include <memsave/trainer.h>
 
 #include <c10/core/Device.h>
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <functional>
@@ -66,8 +67,12 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
 /// micro-batch's rows.
 class MemoryModel {
  public:
-  static MemoryModel profile(const TrainingSetup& setup, int64_t batch, c10::Device device);
+  /// `amp`: the autocast dtype of the mixed-precision passes, the one a recipe with mixed precision must ask
+  /// for (kBFloat16 or kHalf).
+  static MemoryModel profile(const TrainingSetup& setup, int64_t batch, c10::Device device,
+                             c10::ScalarType amp = c10::kBFloat16);
 
+  /// A recipe's peak; an error for a recipe whose mixed precision is not the profile's dtype.
   int64_t predict(const Recipe& recipe) const;
   /// What a recipe holds whatever its activations: parameters, gradients, optimizer state and the batch. A
   /// budget below it cannot be met.
@@ -98,8 +103,8 @@ class MemoryModel {
     std::vector<bool> output_kept;
     double loss = 0, loss_fixed = 0;  ///< the same for the loss's backward, beyond every element's graph
   };
-  static MemoryModel profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows,
-                                  c10::Device device);
+  static MemoryModel profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows, c10::Device device,
+                                  c10::ScalarType amp);
   int64_t optimizer_state(const Recipe& recipe) const;
   /// The peak of a forward and backward pass beyond parameters, optimizer state and batch: activations
   /// and parameter gradients, as the backward walks the checkpoint plan.
@@ -107,6 +112,7 @@ class MemoryModel {
 
   int64_t batch_ = 0;
   int64_t rows_ = 0;  ///< rows of the profile
+  c10::ScalarType amp_dtype_ = c10::kBFloat16;
   std::vector<int64_t> param_numel_;
   int64_t param_bytes_ = 0;
   int64_t batch_bytes_per_row_ = 0;
@@ -128,6 +134,9 @@ struct RescueOptions {
   /// memory, at most `simulated_device_room()`.
   TORCH_ARG(int64_t, budget);
   TORCH_ARG(c10::Device, device) = c10::kCPU;
+  /// The autocast dtype of the mixed-precision candidates: kBFloat16, or kHalf (with a GradScaler); none:
+  /// `mixed_precision_dtype(device)`.
+  TORCH_ARG(std::optional<c10::ScalarType>, amp) = std::nullopt;
   /// Steps per candidate (>= 2; the first creates the optimizer state and is not timed, the median of the
   /// others is the candidate's step time).
   TORCH_ARG(int, steps) = 4;
@@ -174,10 +183,16 @@ struct RescuePlan {
   int64_t parameter_bytes = 0;
 };
 
-/// The candidates of the checklist, in order: levels fp32, +mixed precision, +checkpointing √n segments,
-/// +checkpointing every layer, +8-bit state, then (with `four_bit_state`) 4-bit state, then 8-bit state
-/// offloaded, each with micro-batches batch, batch/2, ... 1.
-std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::Device device,
+/// The autocast dtype of mixed precision on `device`: bf16 on the CPU and on CUDA devices of compute
+/// capability 8.0 or more (Ampere on: bf16 tensor cores; fp32's range, so no GradScaler); fp16, with a
+/// GradScaler, on older CUDA devices (V100, T4), whose tensor cores take fp16 but not bf16.
+c10::ScalarType mixed_precision_dtype(c10::Device device);
+
+/// The candidates of the checklist, in order: levels fp32, +mixed precision (autocast to `amp`: kBFloat16,
+/// or kHalf with a GradScaler), +checkpointing √n segments, +checkpointing every layer, +8-bit state, then
+/// (with `four_bit_state`) 4-bit state, then 8-bit state offloaded, each with micro-batches batch, batch/2,
+/// ... 1.
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp,
                               bool four_bit_state = false);
 
 /// Whether `optimizer` builds 4-bit state for Recipe().state_bits(4) (memsave::adamw does, memsave::sgd

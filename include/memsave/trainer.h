@@ -71,7 +71,7 @@ struct Recipe {
   /// Rows per micro-batch; the batch is split and its gradients accumulated into one step. 0: the whole
   /// batch.
   TORCH_ARG(int64_t, micro_batch) = 0;
-  /// Autocast dtype (kBFloat16; kHalf on CUDA only); none: fp32.
+  /// Autocast dtype (kBFloat16 or kHalf, on the CPU as on CUDA); none: fp32.
   TORCH_ARG(std::optional<c10::ScalarType>, amp) = std::nullopt;
   /// Dynamic loss scaling; kAuto: on exactly for fp16.
   TORCH_ARG(GradScaling, grad_scaling) = GradScaling::kAuto;
