@@ -543,7 +543,6 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
                 " now (nine tenths of what it has available); give a budget of at most "
                 "that, or run on a CUDA device");
   const c10::ScalarType amp = options.amp() ? *options.amp() : mixed_precision_dtype(options.device());
-  TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "rescue: amp must be BFloat16 or Half, got ", amp);
   RescuePlan plan;
   const MemoryModel model = MemoryModel::profile(setup, options.batch(), options.device(), amp);
   plan.parameter_bytes = model.parameter_bytes();
