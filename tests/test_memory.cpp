@@ -1,6 +1,7 @@
 #include <memsave/memory.h>
 
 #include "../src/memory_internal.h"
+#include "intra_op_threads.h"
 
 #include <unistd.h>
 
@@ -71,6 +72,7 @@ TEST(Meter, CountsAllocationsFromParallelThreads) {
 }
 
 TEST(Meter, CountsLibTorchIntraOpThreads) {
+  const memsave::testing::IntraOpThreads threads(4);
   const torch::Tensor x = torch::randn({1 << 20});
   const int64_t before = in_use();
   const torch::Tensor y = x.sum({0}, /*keepdim=*/false) + torch::softmax(x, 0).cumsum(0);

@@ -1,7 +1,9 @@
+#include <memsave/amp.h>
 #include <memsave/memory.h>
 #include <memsave/offload.h>
 #include <memsave/optim.h>
 
+#include "intra_op_threads.h"
 #include "kernels/golden.h"
 #include "saved_state.h"
 
@@ -707,6 +709,74 @@ TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
       }
     }
   }
+}
+
+TEST(Threads, EveryCpuPathGivesTheSameBitsOnOneIntraOpThreadAsOnSeveral) {
+  // memsave's CPU paths split their work between LibTorch's intra-op threads: the quantized and the
+  // fp32-state steps (with the GradScaler's unscale fused in), the GradScaler's inf check, reading the state
+  // back, and copy_state's quantization. Each block is one thread's, so the bits must not depend on how many
+  // there are. ctest runs the other tests on one thread; here each path runs on 1 and on 3 over tensors of
+  // many chunks.
+  const int64_t n = (1 << 20) + 1000;  // 32 chunks of the 8-bit step's, and a partial block at the end
+  auto run = [n](int threads) {
+    memsave::testing::IntraOpThreads scope(threads);
+    EXPECT_EQ(at::get_num_threads(), threads);
+    torch::manual_seed(0);
+    std::vector<torch::Tensor> out;
+    std::vector<std::unique_ptr<LowBitOptimizer>> made;
+    auto p8 = torch::randn({n}).requires_grad_(), p4 = torch::randn({n}).requires_grad_(),
+         p32 = torch::randn({n}).requires_grad_();
+    made.push_back(std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{p8}));
+    made.push_back(std::make_unique<AdamW4bit>(std::vector<torch::Tensor>{p4}));
+    made.push_back(std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{p32},
+                                               AdamW8bitOptions().min_8bit_size(int64_t{1} << 40)));
+    const std::vector<torch::Tensor> params = {p8, p4, p32};
+    for (size_t i = 0; i < made.size(); ++i) {
+      // The unscale fused into the step, after the read-only inf check (the default on CUDA).
+      amp::GradScaler scaler(
+          amp::GradScalerOptions().init_scale(1024).fuse_unscale(amp::FuseUnscale::kAlways));
+      for (int t = 0; t < 3; ++t) {
+        torch::Tensor g = torch::randn({n});
+        if (t == 1) g[n - 1] = INFINITY;  // in the last chunk: the step is skipped
+        made[i]->zero_grad();
+        scaler.scale((params[i] * g).sum()).backward();
+        EXPECT_EQ(scaler.step(*made[i]), t != 1) << i << ", step " << t;
+        scaler.update();
+      }
+      out.push_back(params[i].detach().clone());
+      for (const auto& s : optimizer_state_tensors(*made[i])) out.push_back(s.clone());
+      for (const auto& s : made[i]->state_fp32(params[i])) out.push_back(s);
+    }
+    // LibTorch's AdamW, unscaled by a GradScaler, then its state quantized by copy_state.
+    auto q = torch::randn({n}).requires_grad_();
+    torch::optim::AdamW adamw(std::vector<torch::Tensor>{q});
+    amp::GradScaler scaler(amp::GradScalerOptions().init_scale(1024));
+    for (int t = 0; t < 3; ++t) {
+      torch::Tensor g = torch::randn({n});
+      if (t == 1) g[n - 1] = INFINITY;
+      adamw.zero_grad();
+      scaler.scale((q * g).sum()).backward();
+      scaler.unscale_(adamw);
+      out.push_back(q.grad().clone());
+      EXPECT_EQ(scaler.step(adamw), t != 1) << "LibTorch's AdamW, step " << t;
+      scaler.update();
+    }
+    for (int bits : {8, 4}) {
+      auto copy = q.detach().clone().requires_grad_();
+      std::unique_ptr<LowBitOptimizer> to;
+      if (bits == 8) {
+        to = std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{copy});
+      } else {
+        to = std::make_unique<AdamW4bit>(std::vector<torch::Tensor>{copy});
+      }
+      copy_state(adamw, *to);
+      for (const auto& s : optimizer_state_tensors(*to)) out.push_back(s.clone());
+    }
+    return out;
+  };
+  const std::vector<torch::Tensor> one = run(1), three = run(3);
+  ASSERT_EQ(one.size(), three.size());
+  for (size_t i = 0; i < one.size(); ++i) EXPECT_TRUE(torch::equal(one[i], three[i])) << "tensor " << i;
 }
 
 }  // namespace
