@@ -12,7 +12,7 @@ reps="${1:-3}"
 case "${2:-fashion}" in
   fashion) job=("$root/build/examples/fashion_mnist" --epochs 1 --limit 10000 --state-bits 4) ;;
   estimate) job=("$root/build/tests/memsave_tests"
-                 --gtest_filter=Estimate.PredictsEveryCandidateOfTheChecklistOfAResnet) ;;
+                 --gtest_filter=Estimate/EstimateOfTheZoo.PredictsEveryCandidateOfTheChecklist/resnet18) ;;
   *) echo "usage: run_omp_wait.sh [REPETITIONS] [fashion|estimate]" >&2; exit 2 ;;
 esac
 wall() { { /usr/bin/time -f %e "${job[@]}" 2>&1 >/dev/null || true; } | tail -1; }  # seconds, any result

@@ -9,7 +9,9 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
 #include <cmath>
+#include <ostream>
 
 namespace memsave {
 namespace {
@@ -263,36 +265,34 @@ void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch,
   }
 }
 
+struct ZooCase {
+  const char* model;
+  int64_t batch;
+};
+void PrintTo(const ZooCase& c, std::ostream* os) { *os << c.model << " at batch " << c.batch; }
+class EstimateOfTheZoo : public ::testing::TestWithParam<ZooCase> {};
+
 // Issue 8's target was within 10% of the measured peak for every candidate. Without checkpointing the
 // profile's passes are the step's own, element by element, so the prediction is exact but for rounding; a
 // checkpointed plan is simulated from them, and the simulation accounts for what a recomputation holds
-// (bench/RESULTS-rescue.md). The zoo's models take its paths, one test each (so that ctest runs them side by
-// side).
-
-TEST(Estimate, PredictsEveryCandidateOfTheChecklistOfAnMlp) {
+// (bench/RESULTS-rescue.md). The zoo's models take its paths: elements that let go of their input and keep
+// their output (mlp's ReLUs), a view (fashion-cnn's Flatten), a weight shared by two elements (gpt-tiny's
+// tied embedding: accumulation onto existing gradients), and blocks whose own graph keeps their output, which
+// a recomputation then holds with its gradient to the end of the block's backward (resnet18's). A test each,
+// so that ctest runs them side by side.
+TEST_P(EstimateOfTheZoo, PredictsEveryCandidateOfTheChecklist) {
   install_meter();
-  // Elements that let go of their input and keep their output (the ReLUs).
-  expect_predicts_the_checklist(training_setup("mlp"), 32);
+  expect_predicts_the_checklist(training_setup(GetParam().model), GetParam().batch);
 }
 
-TEST(Estimate, PredictsEveryCandidateOfTheChecklistOfACnn) {
-  install_meter();
-  // A view (the CNN's Flatten).
-  expect_predicts_the_checklist(training_setup("fashion-cnn"), 32);
-}
-
-TEST(Estimate, PredictsEveryCandidateOfTheChecklistOfATransformer) {
-  install_meter();
-  // A weight shared by two elements (gpt-tiny's tied embedding): accumulation onto existing gradients.
-  expect_predicts_the_checklist(training_setup("gpt-tiny"), 32);
-}
-
-TEST(Estimate, PredictsEveryCandidateOfTheChecklistOfAResnet) {
-  install_meter();
-  // Blocks whose own graph keeps their output, which a recomputation then holds with its gradient to the end
-  // of the block's backward (resnet18's).
-  expect_predicts_the_checklist(training_setup("resnet18"), 4);
-}
+INSTANTIATE_TEST_SUITE_P(Estimate, EstimateOfTheZoo,
+                         ::testing::Values(ZooCase{"mlp", 32}, ZooCase{"fashion-cnn", 32},
+                                           ZooCase{"gpt-tiny", 32}, ZooCase{"resnet18", 4}),
+                         [](const ::testing::TestParamInfo<ZooCase>& info) {
+                           std::string name = info.param.model;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
 
 TEST(Estimate, PredictsTheFp16ChecklistWithItsGradScaler) {
   install_meter();
