@@ -761,14 +761,9 @@ TEST(Threads, EveryCpuPathGivesTheSameBitsOnOneIntraOpThreadAsOnSeveral) {
       EXPECT_EQ(scaler.step(adamw), t != 1) << "LibTorch's AdamW, step " << t;
       scaler.update();
     }
-    for (int bits : {8, 4}) {
-      auto copy = q.detach().clone().requires_grad_();
-      std::unique_ptr<LowBitOptimizer> to;
-      if (bits == 8) {
-        to = std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{copy});
-      } else {
-        to = std::make_unique<AdamW4bit>(std::vector<torch::Tensor>{copy});
-      }
+    AdamW8bit to8(std::vector<torch::Tensor>{q.detach().clone().requires_grad_()});
+    AdamW4bit to4(std::vector<torch::Tensor>{q.detach().clone().requires_grad_()});
+    for (LowBitOptimizer* to : {static_cast<LowBitOptimizer*>(&to8), static_cast<LowBitOptimizer*>(&to4)}) {
       copy_state(adamw, *to);
       for (const auto& s : optimizer_state_tensors(*to)) out.push_back(s.clone());
     }
