@@ -18,7 +18,9 @@ if [[ ! -d "$cache/torch/share/cmake/Torch" ]]; then
   fi
   (cd "$cache" && python3 -m zipfile -e torch-"$version"-*.whl . && rm -f torch-"$version"-*.whl)
 fi
+# (no precompiled header: -fsyntax-only writes none, so each unit would parse the header anyway)
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Compat -DCMAKE_CXX_FLAGS_COMPAT=-fsyntax-only \
+      -DMEMSAVE_PRECOMPILE_HEADERS=OFF \
       -DCMAKE_PREFIX_PATH="$cache/torch/share/cmake" \
       >"$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
 objects=$(ninja -C "$build" -t targets all | grep -oE '^[^:]+\.(cpp|cu)\.o' | sort -u)
