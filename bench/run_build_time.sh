@@ -6,15 +6,18 @@
 #   bench/run_build_time.sh [REPETITIONS]   (after scripts/setup.sh; default 3; each build takes minutes)
 #   Builds in build-time/ (removed after each build).
 set -euo pipefail
+shopt -s inherit_errexit  # (a failed step inside $(one_build ...) stops the script too)
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 reps="${1:-3}"
 prefix="$("$root/.venv/bin/python" -c 'import torch; print(torch.utils.cmake_prefix_path)')"
 dir="$root/build-time"
+configure_log=$(mktemp)
+trap 'rm -f "$configure_log"' EXIT
 median() { sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
 one_build() {  # ON|OFF: prints "WALL STEPS" in seconds
   rm -rf "$dir"
   cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
-        -DMEMSAVE_PRECOMPILE_HEADERS="$1" >/dev/null 2>&1
+        -DMEMSAVE_PRECOMPILE_HEADERS="$1" >"$configure_log" 2>&1 || { cat "$configure_log" >&2; exit 1; }
   local start end
   start=$(date +%s.%N)
   cmake --build "$dir" --parallel "$(nproc)" >/dev/null
@@ -27,7 +30,8 @@ echo "clean build of memsave, $(nproc) cores, $(c++ --version | head -1)"
 declare -A walls steps
 for rep in $(seq "$reps"); do
   for pch in OFF ON; do
-    read -r wall sum < <(one_build "$pch")
+    result=$(one_build "$pch")  # (not `read < <(...)`, which would go on after a failed build)
+    read -r wall sum <<<"$result"
     echo "repetition $rep, precompiled header $pch: $wall s wall, compile and link steps $sum s"
     walls[$pch]+="$wall "
     steps[$pch]+="$sum "
