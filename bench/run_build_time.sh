@@ -13,7 +13,7 @@ prefix="$("$root/.venv/bin/python" -c 'import torch; print(torch.utils.cmake_pre
 dir="$root/build-time"
 configure_log=$(mktemp)
 trap 'rm -f "$configure_log"' EXIT
-median() { sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+source "$root/bench/alternate.sh"
 one_build() {  # ON|OFF: prints "WALL STEPS" in seconds
   rm -rf "$dir"
   cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefix" \
@@ -27,17 +27,4 @@ one_build() {  # ON|OFF: prints "WALL STEPS" in seconds
   rm -rf "$dir"
 }
 echo "clean build of memsave, $(nproc) cores, $(c++ --version | head -1)"
-declare -A walls steps
-for rep in $(seq "$reps"); do
-  for pch in OFF ON; do
-    result=$(one_build "$pch")  # (not `read < <(...)`, which would go on after a failed build)
-    read -r wall sum <<<"$result"
-    echo "repetition $rep, precompiled header $pch: $wall s wall, compile and link steps $sum s"
-    walls[$pch]+="$wall "
-    steps[$pch]+="$sum "
-  done
-done
-for pch in OFF ON; do
-  echo "median, precompiled header $pch: $(tr ' ' '\n' <<<"${walls[$pch]}" | grep . | median) s wall," \
-       "steps $(tr ' ' '\n' <<<"${steps[$pch]}" | grep . | median) s"
-done
+alternate "$reps" "precompiled header" "compile and link steps" one_build OFF ON

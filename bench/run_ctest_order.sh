@@ -17,7 +17,7 @@ if [[ "${2:-}" == "--avx2" ]]; then
 fi
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-median() { sort -n | awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'; }
+source "$root/bench/alternate.sh"
 one_run() {  # on|off: prints "WALL SUM" in seconds
   rm -f "$build/Testing/Temporary/CTestCostData.txt"
   local start end
@@ -29,17 +29,4 @@ one_run() {  # on|off: prints "WALL SUM" in seconds
     awk -v start="$start" -v end="$end" '{sum += $(NF - 1)} END {printf "%.1f %.1f\n", end - start, sum}'
 }
 echo "ctest --parallel $(nproc), $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)${cap[*]:+, ${cap[*]}}"
-declare -A walls sums
-for rep in $(seq "$reps"); do
-  for costs in off on; do
-    result=$(one_run "$costs")
-    read -r wall sum <<<"$result"
-    echo "repetition $rep, costs $costs: $wall s wall, tests $sum s"
-    walls[$costs]+="$wall "
-    sums[$costs]+="$sum "
-  done
-done
-for costs in off on; do
-  echo "median, costs $costs: $(tr ' ' '\n' <<<"${walls[$costs]}" | grep . | median) s wall," \
-       "tests $(tr ' ' '\n' <<<"${sums[$costs]}" | grep . | median) s"
-done
+alternate "$reps" costs tests one_run off on
