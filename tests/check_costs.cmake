@@ -1,4 +1,4 @@
-# cmake -DCTEST=<ctest> -DBUILD=<build dir> -DWITH_CLI=<ON|OFF> -P check_costs.cmake
+# cmake -DCTEST=<ctest> -DBUILD=<build dir> -DWITH_CLI=<1|0> -P check_costs.cmake
 # Each test that costs.cmake names exists, once, and carries its COST: a renamed test fails here instead of
 # quietly starting last again.
 set(MEMSAVE_CHECK_COSTS ON)
@@ -10,7 +10,8 @@ endif()
 while(pairs)
   list(POP_FRONT pairs name seconds)
   string(REGEX REPLACE "([][.*+?^$()|\\])" "\\\\\\1" pattern "${name}")
-  execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=MEMSAVE_TEST_COSTS ${CTEST} --test-dir ${BUILD} --show-only=json-v1 -R "^${pattern}$"
+  execute_process(COMMAND ${CMAKE_COMMAND} -E env --unset=MEMSAVE_TEST_COSTS
+                          ${CTEST} --test-dir ${BUILD} --show-only=json-v1 -R "^${pattern}$"
                   OUTPUT_VARIABLE listing RESULT_VARIABLE rc)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "ctest could not list the tests of ${BUILD} (exit ${rc})")
