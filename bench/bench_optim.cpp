@@ -1,7 +1,8 @@
 // One optimizer step on 2^24 fp32 parameters (one tensor) with the threads LibTorch is given (2 by default):
 // LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
-// memsave's fused fp32 AdamW, its 8-bit AdamW and its 4-bit AdamW; and the machine's memory bandwidth, for
-// the floor. bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
+// memsave's fused fp32 AdamW, its 8-bit AdamW and its 4-bit AdamW; SGD with momentum, LibTorch's against
+// memsave's with fp32, 8-bit and 4-bit state; and the machine's memory bandwidth, for the floor.
+// bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
 #include "benchmark_main.h"
 
 #include <memsave/memory.h>
@@ -109,6 +110,40 @@ void BM_MemsaveAdamW4bit(benchmark::State& state) {
       state, [&] { opt.step(); }, 14);
 }
 
+// SGD with momentum 0.9: an ideal step reads p, g and the buffer and writes p and the buffer (fp32: 20 B per
+// parameter; 8-bit codes: 4 + 4 + 1 read, 4 + 1 written, 14 B; 4-bit: 13 B; absmax aside).
+void BM_TorchOptimSGD(benchmark::State& state) {
+  Problem problem;
+  torch::optim::SGD opt(std::vector<torch::Tensor>{problem.param},
+                        torch::optim::SGDOptions(1e-2).momentum(0.9));
+  run(
+      state, [&] { opt.step(); }, 20);
+}
+
+void BM_MemsaveSGD32(benchmark::State& state) {
+  Problem problem;
+  memsave::optim::SGD8bit opt(std::vector<torch::Tensor>{problem.param},
+                              memsave::optim::SGD8bitOptions(1e-2).min_8bit_size(kParams + 1));
+  run(
+      state, [&] { opt.step(); }, 20);
+}
+
+void BM_MemsaveSGD8bit(benchmark::State& state) {
+  Problem problem;
+  memsave::optim::SGD8bit opt(std::vector<torch::Tensor>{problem.param},
+                              memsave::optim::SGD8bitOptions(1e-2));
+  run(
+      state, [&] { opt.step(); }, 14);
+}
+
+void BM_MemsaveSGD4bit(benchmark::State& state) {
+  Problem problem;
+  memsave::optim::SGD4bit opt(std::vector<torch::Tensor>{problem.param},
+                              memsave::optim::SGD4bitOptions(1e-2));
+  run(
+      state, [&] { opt.step(); }, 13);
+}
+
 BENCHMARK(BM_BandwidthRead)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthCopy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthInPlace)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -117,6 +152,10 @@ BENCHMARK(BM_TorchFusedAdamW)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW8bit)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW4bit)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TorchOptimSGD)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveSGD32)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveSGD8bit)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveSGD4bit)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -31,7 +31,13 @@ def main(cpp_path, peers_path, command):
         "BM_MemsaveAdamW8bit": "memsave AdamW8bit, 8-bit state",
         "BM_MemsaveAdamW4bit": "memsave AdamW4bit, 4-bit state",
     }
-    table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items()]
+    sgd_labels = {
+        "BM_TorchOptimSGD": "LibTorch torch::optim::SGD, momentum 0.9 (C++)",
+        "BM_MemsaveSGD32": "memsave SGD8bit, fp32 state (fused)",
+        "BM_MemsaveSGD8bit": "memsave SGD8bit, 8-bit state",
+        "BM_MemsaveSGD4bit": "memsave SGD4bit, 4-bit state",
+    }
+    table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items() if k in labels]
     for peer in peers:
         if "error" in peer:
             table.append((peer["name"], None, None, None, peer["error"]))
@@ -57,6 +63,18 @@ def main(cpp_path, peers_path, command):
         floor_time = floor * params / bandwidth
         print(f"| {name} | {seconds * 1e3:.2f} ms | {base / seconds:.2f}× | {state:.4f} | {source} | {floor} | "
               f"{floor_time * 1e3:.2f} ms | {floor_time / seconds:.2f} |")
+    sgd = [(sgd_labels[k], rows[k]) for k in sgd_labels if k in rows]
+    if sgd and "BM_TorchOptimSGD" in rows:
+        sgd_base = rows["BM_TorchOptimSGD"]["seconds"]
+        print("\nSGD with momentum (fp32 state: reads p, g, buffer and writes p, buffer, 20 B per parameter; 8-bit "
+              "14 B; 4-bit 13 B):\n")
+        print("| optimizer | step time | vs torch::optim::SGD | state B/param | counted by | floor B/param | "
+              "floor time | fraction of floor |")
+        print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+        for name, v in sgd:
+            floor_time = v["floor"] * params / bandwidth
+            print(f"| {name} | {v['seconds'] * 1e3:.2f} ms | {sgd_base / v['seconds']:.2f}× | {v['state']:.4f} | "
+                  f"meter | {v['floor']:.0f} | {floor_time * 1e3:.2f} ms | {floor_time / v['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

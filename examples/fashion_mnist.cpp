@@ -1,11 +1,12 @@
 // Trains the zoo's small CNN on Fashion-MNIST twice from the same seed through memsave::Trainer: once plain
-// (fp32, LibTorch's AdamW) and once with the recipe given on the command line (default: 8-bit AdamW state),
-// and prints both test accuracies, the optimizer state, the step peak (the meter) and the time. Exit 0 when
-// the recipe's accuracy is within the tolerance of the plain run's, 1 when not, 2 on bad input.
+// (fp32 state, the whole batch) and once with the recipe given on the command line (default: 8-bit state),
+// with AdamW, SGD with momentum or Lion, and prints both test accuracies, the optimizer state, the step peak
+// (the meter) and the time. Exit 0 when the recipe's accuracy is within the tolerance of the plain run's, 1
+// when not, 2 on bad input.
 //
-//   build/examples/fashion_mnist [--epochs N] [--data DIR] [--micro-batch 32] [--amp bf16]
-//                                [--checkpoint every|N] [--state-bits 8] [--max-grad-norm 1.0] [--limit
-//                                IMAGES]
+//   build/examples/fashion_mnist [--epochs N] [--data DIR] [--optimizer adamw|sgd|lion] [--micro-batch 32]
+//                                [--amp bf16] [--checkpoint every|N] [--state-bits 8] [--max-grad-norm 1.0]
+//                                [--limit IMAGES]
 //   (DIR: Debian's dataset-fashion-mnist by default)
 #include <memsave/memsave.h>
 
@@ -18,6 +19,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -78,12 +81,46 @@ struct Outcome {
 };
 
 constexpr int64_t kBatch = 128;
-constexpr double kLr = 1e-3;  ///< AdamW's peak learning rate
 
-Outcome train(const memsave::Recipe& recipe, const Split& train_set, const Split& test, int epochs) {
+/// The optimizer of a run and its peak learning rate.
+struct Optimizer {
+  std::string name;     ///< adamw, sgd or lion
+  std::string printed;  ///< "AdamW lr 1e-3"
+  double lr = 0;
+  memsave::OptimizerFactory factory;
+};
+
+/// Lion through the Trainer: LibTorch has none, so its fp32 state is Lion8bit's for tensors under its size
+/// threshold (here: all of them); 8-bit state is Lion8bit's. Lion has no 4-bit state (memsave/optim.h says
+/// why).
+memsave::OptimizerFactory lion(double lr, double weight_decay) {
+  return [=](const std::vector<torch::Tensor>& parameters,
+             const memsave::Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
+    namespace o = memsave::optim;
+    TORCH_CHECK(recipe.offload() == memsave::Offload::kNone, "lion: no offloaded state in this example");
+    TORCH_CHECK(recipe.state_bits() != 4, "lion: no 4-bit state (memsave/optim.h)");
+    const int64_t min_8bit =
+        recipe.state_bits() == 8 ? o::Lion8bitOptions().min_8bit_size() : std::numeric_limits<int64_t>::max();
+    return std::make_unique<o::Lion8bit>(
+        parameters, o::Lion8bitOptions(lr).weight_decay(weight_decay).min_8bit_size(min_8bit));
+  };
+}
+
+/// AdamW: lr 1e-3, weight decay 0.01; SGD: lr 0.05, momentum 0.9; Lion: lr 1e-4, weight decay 0.1 (the Lion
+/// paper's advice: a rate 3-10x below AdamW's, a decay as much above).
+std::optional<Optimizer> optimizer_named(const std::string& name) {
+  if (name == "adamw") return Optimizer{name, "AdamW lr 1e-3", 1e-3, memsave::adamw(1e-3, 1e-2)};
+  if (name == "sgd") return Optimizer{name, "SGD lr 0.05", 5e-2, memsave::sgd(5e-2, 0.9)};
+  if (name == "lion") return Optimizer{name, "Lion lr 1e-4", 1e-4, lion(1e-4, 0.1)};
+  return std::nullopt;
+}
+
+Outcome train(const Optimizer& optimizer, const memsave::Recipe& recipe, const Split& train_set,
+              const Split& test, int epochs) {
   torch::manual_seed(0);
   auto net = memsave::zoo::fashion_cnn();
-  memsave::Trainer trainer(net, memsave::adamw(kLr, 1e-2), recipe);
+  memsave::Trainer trainer(net, optimizer.factory, recipe);
+  const double peak_lr = optimizer.lr;
   auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::nn::functional::cross_entropy(out, target);
   };
@@ -98,7 +135,7 @@ Outcome train(const memsave::Recipe& recipe, const Split& train_set, const Split
     const auto order = torch::randperm(n, torch::kLong);
     for (int64_t i = 0; i + kBatch <= n; i += kBatch, ++step) {
       for (auto& group : trainer.optimizer().param_groups())
-        group.options().set_lr(kLr * static_cast<double>(steps - step) / static_cast<double>(steps));
+        group.options().set_lr(peak_lr * static_cast<double>(steps - step) / static_cast<double>(steps));
       const auto index = order.narrow(0, i, kBatch);
       const memsave::StepStats stats = trainer.step(train_set.images.index_select(0, index),
                                                     train_set.labels.index_select(0, index), loss);
@@ -119,8 +156,8 @@ int usage() {
   std::fprintf(
       stderr,
       "usage: fashion_mnist [--epochs N >= 1] [--data DIR] [--limit IMAGES] [--tolerance POINTS]\n"
-      "                     [--compare 8bit|bf16] [--micro-batch N] [--amp bf16] [--checkpoint every|N]\n"
-      "                     [--state-bits 8|32] [--max-grad-norm X]\n");
+      "                     [--optimizer adamw|sgd|lion] [--compare 8bit|bf16] [--micro-batch N]\n"
+      "                     [--amp bf16] [--checkpoint every|N] [--state-bits 32|8|4] [--max-grad-norm X]\n");
   return 2;
 }
 
@@ -133,6 +170,7 @@ int main(int argc, char** argv) {
   std::string dir = "/usr/share/datasets/fashion-mnist";
   memsave::Recipe recipe;
   bool any_recipe = false;
+  std::optional<Optimizer> optimizer = optimizer_named("adamw");
   try {
     for (int i = 1; i < argc; i += 2) {
       if (i + 1 >= argc) return usage();
@@ -145,6 +183,9 @@ int main(int argc, char** argv) {
         limit = std::stoll(value);
       } else if (flag == "--tolerance") {
         tolerance = std::stod(value);
+      } else if (flag == "--optimizer") {
+        optimizer = optimizer_named(value);
+        if (!optimizer) return usage();
       } else if (flag == "--compare" && value == "8bit") {
         recipe.state_bits(8);
       } else if (flag == "--compare" && value == "bf16") {
@@ -163,14 +204,18 @@ int main(int argc, char** argv) {
       } else {
         return usage();
       }
-      any_recipe = any_recipe ||
-                   (flag != "--epochs" && flag != "--data" && flag != "--limit" && flag != "--tolerance");
+      any_recipe = any_recipe || (flag != "--epochs" && flag != "--data" && flag != "--limit" &&
+                                  flag != "--tolerance" && flag != "--optimizer");
     }
   } catch (const std::exception&) {
     return usage();
   }
   if (epochs < 1 || limit < 0) return usage();
-  if (!any_recipe) recipe.state_bits(8);  // the default comparison: AdamW against AdamW8bit
+  if (optimizer->name == "lion" && recipe.state_bits() == 4) {
+    std::fprintf(stderr, "fashion_mnist: Lion has no 4-bit state (memsave/optim.h says why)\n");
+    return 2;
+  }
+  if (!any_recipe) recipe.state_bits(8);  // the default comparison: fp32 state against 8-bit
   // Within 0.5 points for one technique, 1 point for a combination, unless --tolerance says otherwise.
   const int techniques = (recipe.micro_batch() > 0) + recipe.amp().has_value() +
                          (recipe.checkpoint().kind != memsave::Checkpointing::Kind::kNone) +
@@ -182,16 +227,16 @@ int main(int argc, char** argv) {
     if (limit > 0 && limit < train_set.images.size(0))
       train_set = {train_set.images.narrow(0, 0, limit), train_set.labels.narrow(0, 0, limit)};
     std::printf(
-        "Fashion-MNIST: %lld training and %lld test images, %d epochs, batch 128, AdamW lr 1e-3 falling "
-        "linearly to 0\n",
-        static_cast<long long>(train_set.images.size(0)), static_cast<long long>(test.images.size(0)),
-        epochs);
+        "Fashion-MNIST: %lld training and %lld test images, %d epochs, batch 128, %s falling linearly to 0\n",
+        static_cast<long long>(train_set.images.size(0)), static_cast<long long>(test.images.size(0)), epochs,
+        optimizer->printed.c_str());
     std::printf("recipe: %s\n", recipe.to_cpp().c_str());
-    const Outcome base = train(memsave::Recipe(), train_set, test, epochs);
-    const Outcome other = train(recipe, train_set, test, epochs);
-    std::printf("test accuracy: fp32 AdamW %.2f%%, %s %.2f%% (difference %+.2f points, tolerance %.2f)\n",
-                base.accuracy, recipe.label().c_str(), other.accuracy, other.accuracy - base.accuracy,
-                tolerance);
+    const Outcome base = train(*optimizer, memsave::Recipe(), train_set, test, epochs);
+    const Outcome other = train(*optimizer, recipe, train_set, test, epochs);
+    const std::string name = optimizer->printed.substr(0, optimizer->printed.find(' '));
+    std::printf("test accuracy: fp32 %s %.2f%%, %s %.2f%% (difference %+.2f points, tolerance %.2f)\n",
+                name.c_str(), base.accuracy, recipe.label().c_str(), other.accuracy,
+                other.accuracy - base.accuracy, tolerance);
     std::printf(
         "optimizer state: %lld vs %lld bytes (%.2fx smaller); step peak: %s vs %s; time: %.1f vs %.1f s\n",
         static_cast<long long>(base.state_bytes), static_cast<long long>(other.state_bytes),

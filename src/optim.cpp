@@ -42,9 +42,9 @@ using torch::serialize::OutputArchive;
 
 const char* kind_name(int32_t kind, int64_t bits) {
   static const char* const kNames8[] = {"Adam8bit", "AdamW8bit", "Lion8bit", "SGD8bit"};
-  static const char* const kNames4[] = {"Adam4bit", "AdamW4bit"};  // 4-bit state: the Adam rules only
+  static const char* const kNames4[] = {"Adam4bit", "AdamW4bit", nullptr, "SGD4bit"};  // no 4-bit Lion
   if (bits == 8 && kind >= 0 && kind < 4) return kNames8[kind];
-  if (bits == 4 && kind >= 0 && kind < 2) return kNames4[kind];
+  if (bits == 4 && kind >= 0 && kind < 4 && kNames4[kind] != nullptr) return kNames4[kind];
   return "an unknown optimizer";
 }
 
@@ -122,11 +122,15 @@ torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& cod
 // ---- options
 // -----------------------------------------------------------------------------------------------
 
-// The Adam options (8-bit and 4-bit, with and without decoupled decay) hold the same fields but for the name
-// of the size threshold and some defaults: one body for the four.
+// The options of one rule (8-bit and 4-bit; Adam with and without decoupled decay) hold the same fields but
+// for the name of the size threshold and some defaults: one body for each rule.
 template <typename Options>
 constexpr bool kFourBit =
-    std::is_same_v<Options, Adam4bitOptions> || std::is_same_v<Options, AdamW4bitOptions>;
+    std::is_same_v<Options, Adam4bitOptions> || std::is_same_v<Options, AdamW4bitOptions> ||
+    std::is_same_v<Options, SGD4bitOptions>;
+
+template <typename Options>
+constexpr const char* kMinSizeKey = kFourBit<Options> ? "min_4bit_size" : "min_8bit_size";
 
 template <typename Options>
 int64_t min_size(const Options& o) {
@@ -138,24 +142,29 @@ int64_t min_size(const Options& o) {
 }
 
 template <typename Options>
+void read_min_size(InputArchive& archive, Options& o) {
+  if constexpr (kFourBit<Options>) {
+    o.min_4bit_size(read_int(archive, kMinSizeKey<Options>));
+  } else {
+    o.min_8bit_size(read_int(archive, kMinSizeKey<Options>));
+  }
+}
+
+template <typename Options>
 void write_adam(OutputArchive& archive, const Options& o) {
   archive.write("lr", o.lr());
   write_betas(archive, o.betas());
   archive.write("eps", o.eps());
   archive.write("weight_decay", o.weight_decay());
   archive.write("block_size", o.block_size());
-  archive.write(kFourBit<Options> ? "min_4bit_size" : "min_8bit_size", min_size(o));
+  archive.write(kMinSizeKey<Options>, min_size(o));
 }
 
 template <typename Options>
 void read_adam(InputArchive& archive, Options& o) {
   o.lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
   o.weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
-  if constexpr (kFourBit<Options>) {
-    o.min_4bit_size(read_int(archive, "min_4bit_size"));
-  } else {
-    o.min_8bit_size(read_int(archive, "min_8bit_size"));
-  }
+  read_min_size(archive, o);
 }
 
 template <typename Options>
@@ -200,6 +209,40 @@ void AdamW4bitOptions::serialize(OutputArchive& archive) const { write_adam(arch
 void AdamW4bitOptions::serialize(InputArchive& archive) { read_adam(archive, *this); }
 bool operator==(const AdamW4bitOptions& a, const AdamW4bitOptions& b) { return same_adam(a, b); }
 
+template <typename Options>
+void write_sgd(OutputArchive& archive, const Options& o) {
+  archive.write("lr", o.lr());
+  archive.write("momentum", o.momentum());
+  archive.write("dampening", o.dampening());
+  archive.write("weight_decay", o.weight_decay());
+  archive.write("nesterov", o.nesterov());
+  archive.write("block_size", o.block_size());
+  archive.write(kMinSizeKey<Options>, min_size(o));
+}
+
+template <typename Options>
+void read_sgd(InputArchive& archive, Options& o) {
+  o.lr(read_double(archive, "lr")).momentum(read_double(archive, "momentum"));
+  o.dampening(read_double(archive, "dampening")).weight_decay(read_double(archive, "weight_decay"));
+  o.nesterov(read_bool(archive, "nesterov")).block_size(read_int(archive, "block_size"));
+  read_min_size(archive, o);
+}
+
+template <typename Options>
+bool same_sgd(const Options& a, const Options& b) {
+  return a.lr() == b.lr() && a.momentum() == b.momentum() && a.dampening() == b.dampening() &&
+         a.weight_decay() == b.weight_decay() && a.nesterov() == b.nesterov() &&
+         a.block_size() == b.block_size() && min_size(a) == min_size(b);
+}
+
+template <typename Hyper, typename Options>
+Hyper sgd_hyper(const Options& o) {
+  Hyper h;
+  h.lr = o.lr(), h.beta1 = o.momentum(), h.dampening = o.dampening(), h.nesterov = o.nesterov();
+  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = min_size(o);
+  return h;
+}
+
 void Lion8bitOptions::serialize(OutputArchive& archive) const {
   archive.write("lr", lr());
   write_betas(archive, betas());
@@ -218,26 +261,13 @@ bool operator==(const Lion8bitOptions& a, const Lion8bitOptions& b) {
          a.block_size() == b.block_size() && a.min_8bit_size() == b.min_8bit_size();
 }
 
-void SGD8bitOptions::serialize(OutputArchive& archive) const {
-  archive.write("lr", lr());
-  archive.write("momentum", momentum());
-  archive.write("dampening", dampening());
-  archive.write("weight_decay", weight_decay());
-  archive.write("nesterov", nesterov());
-  archive.write("block_size", block_size());
-  archive.write("min_8bit_size", min_8bit_size());
-}
-void SGD8bitOptions::serialize(InputArchive& archive) {
-  lr(read_double(archive, "lr")).momentum(read_double(archive, "momentum"));
-  dampening(read_double(archive, "dampening")).weight_decay(read_double(archive, "weight_decay"));
-  nesterov(read_bool(archive, "nesterov")).block_size(read_int(archive, "block_size"));
-  min_8bit_size(read_int(archive, "min_8bit_size"));
-}
-bool operator==(const SGD8bitOptions& a, const SGD8bitOptions& b) {
-  return a.lr() == b.lr() && a.momentum() == b.momentum() && a.dampening() == b.dampening() &&
-         a.weight_decay() == b.weight_decay() && a.nesterov() == b.nesterov() &&
-         a.block_size() == b.block_size() && a.min_8bit_size() == b.min_8bit_size();
-}
+void SGD8bitOptions::serialize(OutputArchive& archive) const { write_sgd(archive, *this); }
+void SGD8bitOptions::serialize(InputArchive& archive) { read_sgd(archive, *this); }
+bool operator==(const SGD8bitOptions& a, const SGD8bitOptions& b) { return same_sgd(a, b); }
+
+void SGD4bitOptions::serialize(OutputArchive& archive) const { write_sgd(archive, *this); }
+void SGD4bitOptions::serialize(InputArchive& archive) { read_sgd(archive, *this); }
+bool operator==(const SGD4bitOptions& a, const SGD4bitOptions& b) { return same_sgd(a, b); }
 
 // ---- state
 // -------------------------------------------------------------------------------------------------
@@ -720,11 +750,7 @@ SGD8bit::SGD8bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, S
   check_groups();
 }
 LowBitOptimizer::Hyper SGD8bit::hyper(const torch::optim::OptimizerOptions& options) const {
-  const auto& o = options_as<SGD8bitOptions>(options, "SGD8bit");
-  Hyper h;
-  h.lr = o.lr(), h.beta1 = o.momentum(), h.dampening = o.dampening(), h.nesterov = o.nesterov();
-  h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = o.min_8bit_size();
-  return h;
+  return sgd_hyper<Hyper>(options_as<SGD8bitOptions>(options, "SGD8bit"));
 }
 
 Adam4bit::Adam4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, Adam4bitOptions defaults)
@@ -743,6 +769,15 @@ AdamW4bit::AdamW4bit(const std::vector<torch::optim::OptimizerParamGroup>& group
 }
 LowBitOptimizer::Hyper AdamW4bit::hyper(const torch::optim::OptimizerOptions& options) const {
   return adam_hyper<Hyper>(options_as<AdamW4bitOptions>(options, "AdamW4bit"));
+}
+
+SGD4bit::SGD4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGD4bitOptions defaults)
+    : LowBitOptimizer(groups, std::make_unique<SGD4bitOptions>(defaults), Kind::kSgd, /*bits=*/4) {
+  check(hyper(defaults), Kind::kSgd);
+  check_groups();
+}
+LowBitOptimizer::Hyper SGD4bit::hyper(const torch::optim::OptimizerOptions& options) const {
+  return sgd_hyper<Hyper>(options_as<SGD4bitOptions>(options, "SGD4bit"));
 }
 
 }  // namespace memsave::optim

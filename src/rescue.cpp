@@ -500,7 +500,7 @@ bool builds_four_bit_state(const OptimizerFactory& optimizer) {
     const auto built = optimizer({probe}, Recipe().state_bits(4));
     const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(built.get());
     return low_bit != nullptr && low_bit->bits() == 4;
-  } catch (const c10::Error&) {  // e.g. memsave::sgd: 4-bit state is AdamW's only
+  } catch (const c10::Error&) {  // e.g. a factory that refuses 4-bit state
     return false;
   }
 }

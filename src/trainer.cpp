@@ -145,9 +145,10 @@ OptimizerFactory sgd(double lr, double momentum) {
                         const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     TORCH_CHECK(recipe.offload() == Offload::kNone,
                 "sgd: offloading the optimizer state is implemented for AdamW (memsave::adamw) only");
-    TORCH_CHECK(recipe.state_bits() != 4, "sgd: 4-bit state is implemented for AdamW (memsave::adamw) only");
     if (recipe.state_bits() == 8)
       return std::make_unique<optim::SGD8bit>(parameters, optim::SGD8bitOptions(lr).momentum(momentum));
+    if (recipe.state_bits() == 4)
+      return std::make_unique<optim::SGD4bit>(parameters, optim::SGD4bitOptions(lr).momentum(momentum));
     return std::make_unique<torch::optim::SGD>(parameters, torch::optim::SGDOptions(lr).momentum(momentum));
   };
 }
@@ -444,6 +445,8 @@ std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type,
     return std::make_unique<optim::SGD8bit>(cpu, optim::SGD8bitOptions(0).block_size(block()));
   if (type == "memsave::optim::Lion8bit")
     return std::make_unique<optim::Lion8bit>(cpu, optim::Lion8bitOptions().block_size(block()));
+  if (type == "memsave::optim::SGD4bit")
+    return std::make_unique<optim::SGD4bit>(cpu, optim::SGD4bitOptions(0).block_size(block()));
   if (type == "memsave::OffloadOptimizer") {
     // Which parameters it offloaded follows from min_offload_size (files from before it was saved: 0).
     OffloadOptimizerOptions options = OffloadOptimizerOptions().state_bits(bits);

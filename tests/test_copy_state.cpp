@@ -91,6 +91,7 @@ TEST(CopyState, IntoTheSameFormatContinuesBitForBit) {
          return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(1e-2).momentum(0.9));
        }},
       {"SGD8bit", [](const Params& p) { return std::make_unique<SGD8bit>(p, SGD8bitOptions(1e-2)); }},
+      {"SGD4bit", [](const Params& p) { return std::make_unique<SGD4bit>(p, SGD4bitOptions(1e-2)); }},
       {"offloaded fp32", offload(32, 10)},
       {"offloaded 8-bit", offload(8, 10)},
       {"offloaded 4-bit", offload(4)},
@@ -221,6 +222,33 @@ TEST(CopyState, QuantizesFp32MomentsToTheNearestCodesOfTheTargetsFormat) {
       expect_nearest_codes(source.exp_avg_sq(), target.v(), target.absmax_v(), k::unsigned_code_book(bits),
                            bits, block);
     }
+  }
+}
+
+TEST(CopyState, QuantizesSgdMomentumToTheNearestFourBitCodes) {
+  // LibTorch's momentum buffers into SGD4bit: on the signed book, blocks of 128; state of step 1.
+  const Params a = make_params(4);
+  torch::optim::SGD sgd(a, torch::optim::SGDOptions(1e-2).momentum(0.9));
+  train(sgd, a, 1, 3);
+  const Params b = clone(a);
+  SGD4bit to(b, SGD4bitOptions(1e-2));
+  copy_state(sgd, to);
+  for (size_t i = 0; i < a.size(); ++i) {
+    const auto& source =
+        static_cast<const torch::optim::SGDParamState&>(*sgd.state().at(a[i].unsafeGetTensorImpl()));
+    const auto& target = static_cast<const QuantizedParamState&>(*to.state().at(b[i].unsafeGetTensorImpl()));
+    EXPECT_EQ(target.step(), 1);  // SGD's update does not depend on the count
+    EXPECT_FALSE(target.v().defined());
+    if (a[i].numel() < 4096) {  // under min_4bit_size: fp32, as it was
+      EXPECT_FALSE(target.quantized());
+      EXPECT_TRUE(torch::equal(target.m(), source.momentum_buffer().reshape({-1})));
+      continue;
+    }
+    ASSERT_TRUE(target.quantized());
+    EXPECT_EQ(target.block_size(), 128);
+    EXPECT_EQ(target.bits(), 4);
+    expect_nearest_codes(source.momentum_buffer(), target.m(), target.absmax_m(), k::signed_code_book(4), 4,
+                         128);
   }
 }
 

@@ -100,13 +100,15 @@ torch::nn::Sequential small_mlp() {
 }
 
 /// Held-out losses of the small MLP on a regression task: at the start, and after 100 full-batch steps with
-/// fp32 AdamW and with the optimizer `make` builds (lr 3e-3, quantized state from 1024 elements).
+/// the fp32 optimizer `fp32` builds (default: LibTorch's AdamW, lr 3e-3) and with the one `make` builds
+/// (quantized state from 1024 elements).
 struct MlpLosses {
   double start, fp32, quantized;
 };
 
-MlpLosses train_small_mlp(
-    const std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>& make) {
+using MakeOptimizer = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor>)>;
+
+MlpLosses train_small_mlp(const MakeOptimizer& make, const MakeOptimizer& fp32 = nullptr) {
   torch::manual_seed(3);
   const auto w = torch::randn({32, 4}) / 4;
   auto data = [&](int64_t n) {
@@ -118,9 +120,9 @@ MlpLosses train_small_mlp(
   auto train = [&](bool quantized) {
     auto net = small_mlp();
     std::unique_ptr<torch::optim::Optimizer> opt =
-        quantized
-            ? make(net->parameters())
-            : std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(3e-3));
+        quantized ? make(net->parameters())
+        : fp32    ? fp32(net->parameters())
+               : std::make_unique<torch::optim::AdamW>(net->parameters(), torch::optim::AdamWOptions(3e-3));
     for (int t = 0; t < 100; ++t) {
       opt->zero_grad();
       torch::mse_loss(net->forward(x), y).backward();
@@ -329,6 +331,33 @@ TEST(FourBit, TrainsASmallMlpCloseToFp32AdamW) {
   EXPECT_LE(std::fabs(l.quantized - l.fp32), 0.25 * l.fp32);
 }
 
+TEST(FourBit, SgdHasSgd8bitsDefaultsButTorchaosBlocks) {
+  const SGD4bitOptions sgd(0.1);
+  EXPECT_EQ(sgd.momentum(), 0.9);
+  EXPECT_EQ(sgd.dampening(), 0);
+  EXPECT_EQ(sgd.weight_decay(), 0);
+  EXPECT_FALSE(sgd.nesterov());
+  EXPECT_EQ(sgd.block_size(), 128);
+  EXPECT_EQ(sgd.min_4bit_size(), 4096);
+}
+
+TEST(FourBit, SgdTrainsASmallMlpCloseToLibTorchsSgd) {
+  const MlpLosses l = train_small_mlp(
+      [](std::vector<torch::Tensor> params) {
+        return std::make_unique<SGD4bit>(std::move(params), SGD4bitOptions(0.1).min_4bit_size(1024));
+      },
+      [](std::vector<torch::Tensor> params) {
+        return std::make_unique<torch::optim::SGD>(std::move(params),
+                                                   torch::optim::SGDOptions(0.1).momentum(0.9));
+      });
+  std::printf(
+      "MLP regression, held-out loss %.5f at the start, after 100 steps: LibTorch SGD %.5f, SGD4bit %.5f\n",
+      l.start, l.fp32, l.quantized);
+  // The stated bound, as for AdamW4bit: within 25% of fp32's held-out loss (measured: 0.1307 against 0.1351).
+  EXPECT_LT(l.fp32, 0.2 * l.start);
+  EXPECT_LE(std::fabs(l.quantized - l.fp32), 0.25 * l.fp32);
+}
+
 TEST(FourBit, KeepsAbout1ByteOfStatePerParameter) {
   auto p = torch::randn({(1 << 20) + 1}).requires_grad_();  // odd: the last byte holds one code
   AdamW4bit opt(std::vector<torch::Tensor>{p});
@@ -343,6 +372,24 @@ TEST(FourBit, KeepsAbout1ByteOfStatePerParameter) {
   int64_t counted = 0;
   for (const auto& t : opt.state_tensors()) counted += t.numel() * t.element_size();
   EXPECT_EQ(counted, state);
+}
+
+TEST(FourBit, SgdKeepsAboutHalfAByteOfStatePerParameter) {
+  const int64_t n = (1 << 20) + 1;  // odd: the last byte holds one code
+  auto p = torch::randn({n}).requires_grad_();
+  SGD4bit sgd(std::vector<torch::Tensor>{p}, SGD4bitOptions(0.1));
+  p.mutable_grad() = torch::randn_like(p);
+  const int64_t with_grad = memory_stats(torch::kCPU).current;
+  sgd.step();
+  const int64_t state = memory_stats(torch::kCPU).current - with_grad;
+  std::printf("SGD4bit state: %.5f bytes per parameter (meter)\n",
+              static_cast<double>(state) / static_cast<double>(n));
+  // one moment of half a byte, plus a float absmax per 128 elements: 0.53125 bytes
+  EXPECT_EQ(state, (n + 1) / 2 + 4 * ((n + 127) / 128));
+  int64_t counted = 0;
+  for (const auto& t : sgd.state_tensors()) counted += t.numel() * t.element_size();
+  EXPECT_EQ(counted, state);
+  EXPECT_EQ(sgd.state_fp32(p).size(), 1u);
 }
 
 TEST(FourBit, StateReadsBackWithinHalfTheBooksGaps) {
@@ -411,6 +458,41 @@ TEST(FourBit, SaveAndLoadRoundTripExactlyAndRefuseEightBitFiles) {
   EXPECT_TRUE(adam.state().empty());
 }
 
+TEST(FourBit, SgdSavesAndLoadsExactlyAndRefusesEightBitFiles) {
+  auto p = torch::randn({5001}).requires_grad_();
+  auto q = torch::randn({300}).requires_grad_();
+  using V = std::vector<torch::Tensor>;
+  SGD4bit a(V{p, q}, SGD4bitOptions(1e-3).nesterov(true));
+  for (int t = 0; t < 3; ++t) {
+    p.mutable_grad() = torch::randn_like(p);
+    q.mutable_grad() = torch::randn_like(q);
+    a.step();
+  }
+  const std::string file = saved_bytes(a);
+  SGD4bit b(V{p, q}, SGD4bitOptions(5e-2));
+  load(b, file);
+  EXPECT_TRUE(static_cast<const SGD4bitOptions&>(b.param_groups()[0].options()) ==
+              static_cast<const SGD4bitOptions&>(a.param_groups()[0].options()));
+  for (const auto& t : {p, q}) {
+    const auto& sa = static_cast<QuantizedParamState&>(*a.state().at(t.unsafeGetTensorImpl()));
+    const auto& sb = static_cast<QuantizedParamState&>(*b.state().at(t.unsafeGetTensorImpl()));
+    EXPECT_TRUE(sa == sb);
+    EXPECT_FALSE(sb.v().defined());  // one moment
+  }
+  EXPECT_EQ(static_cast<QuantizedParamState&>(*b.state().at(p.unsafeGetTensorImpl())).bits(), 4);
+
+  // An SGD8bit file in SGD4bit and the other way round: refused, naming what the file holds; nothing changes.
+  SGD8bit eight(V{p, q}, SGD8bitOptions(0.1).block_size(128));
+  p.mutable_grad() = torch::randn_like(p);
+  q.mutable_grad() = torch::randn_like(q);
+  eight.step();
+  const std::string eight_file = saved_bytes(eight), four_before = saved_bytes(b);
+  EXPECT_NE(message([&] { load(b, eight_file); }).find("state of SGD8bit"), std::string::npos);
+  EXPECT_EQ(saved_bytes(b), four_before);
+  EXPECT_NE(message([&] { load(eight, file); }).find("state of SGD4bit"), std::string::npos);
+  EXPECT_EQ(saved_bytes(eight), eight_file);
+}
+
 TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
   auto p = torch::randn({10}).requires_grad_();
   using V = std::vector<torch::Tensor>;
@@ -429,6 +511,10 @@ TEST(BadInput, IsRejectedWithTheArgumentAndValue) {
   EXPECT_NE(message([&] { Adam8bit(V{p}, Adam8bitOptions().block_size(100)); }).find("block_size: 100"),
             std::string::npos);
   EXPECT_NE(message([&] { SGD8bit(V{p}, SGD8bitOptions(0.1).momentum(0)); }).find("momentum value: 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] { SGD4bit(V{p}, SGD4bitOptions(0.1).momentum(0)); }).find("momentum value: 0"),
+            std::string::npos);
+  EXPECT_NE(message([&] { SGD4bit(V{p}, SGD4bitOptions(0.1).block_size(96)); }).find("block_size: 96"),
             std::string::npos);
   EXPECT_NE(
       message([&] { Lion8bit(V{p}, Lion8bitOptions().weight_decay(-1)); }).find("weight_decay value: -1"),
@@ -647,8 +733,8 @@ TEST(Lion, MovesEveryCoordinateByTheLearningRate) {
   EXPECT_TRUE(torch::allclose(p.detach(), -1e-2 * sign, 0, 1e-8));
 }
 
-/// One of the optimizers (0 Adam, 1 AdamW, 2 Lion, 3 SGD, 8-bit; 4 Adam, 5 AdamW, 4-bit) over `params`, with
-/// weight decay, blocks of `block` elements and quantized state from `min_8bit` elements.
+/// One of the optimizers (0 Adam, 1 AdamW, 2 Lion, 3 SGD, 8-bit; 4 Adam, 5 AdamW, 6 SGD, 4-bit) over
+/// `params`, with weight decay, blocks of `block` elements and quantized state from `min_8bit` elements.
 std::unique_ptr<torch::optim::Optimizer> optimizer_of_rule(int rule, const std::vector<torch::Tensor>& params,
                                                            int64_t block, int64_t min_8bit) {
   switch (rule) {
@@ -667,6 +753,10 @@ std::unique_ptr<torch::optim::Optimizer> optimizer_of_rule(int rule, const std::
     case 2:
       return std::make_unique<Lion8bit>(
           params, Lion8bitOptions(1e-4).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+    case 6:
+      return std::make_unique<SGD4bit>(
+          params,
+          SGD4bitOptions(1e-2).nesterov(true).weight_decay(0.1).block_size(block).min_4bit_size(min_8bit));
     default:
       return std::make_unique<SGD8bit>(
           params,
@@ -683,7 +773,7 @@ TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
       for (const int64_t min_8bit : {int64_t{4096}, int64_t{1} << 40}) {
         torch::manual_seed(5);
         const auto big = torch::randn({3 * 4096 + 17}).to(dtype), small = torch::randn({1000}).to(dtype);
-        for (int rule = 0; rule < 6; ++rule) {
+        for (int rule = 0; rule < 7; ++rule) {
           auto cpu = big.clone().requires_grad_(), cpu_small = small.clone().requires_grad_();
           auto gpu = big.cuda().requires_grad_(), gpu_small = small.cuda().requires_grad_();
           const auto a = optimizer_of_rule(rule, {cpu, cpu_small}, block, min_8bit);

@@ -168,7 +168,17 @@ TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
 
 TEST(Rescue, TheFourBitLevelComesOnlyWithAnOptimizerThatHasIt) {
   EXPECT_TRUE(builds_four_bit_state(adamw()));
-  EXPECT_FALSE(builds_four_bit_state(sgd(0.1)));  // 4-bit state is AdamW's only
+  EXPECT_TRUE(builds_four_bit_state(sgd(0.1)));
+  // a user's factory that keeps LibTorch's optimizer whatever the recipe's bits, and one that refuses 4 bits
+  const OptimizerFactory plain = [](const std::vector<torch::Tensor>& params, const Recipe&) {
+    return std::make_unique<torch::optim::Adam>(params);
+  };
+  const OptimizerFactory refusing = [](const std::vector<torch::Tensor>& params, const Recipe& recipe) {
+    TORCH_CHECK(recipe.state_bits() != 4, "no 4-bit state here");
+    return std::make_unique<torch::optim::Adam>(params);
+  };
+  EXPECT_FALSE(builds_four_bit_state(plain));
+  EXPECT_FALSE(builds_four_bit_state(refusing));
   const std::vector<Recipe> with = checklist(8, 4, torch::kBFloat16, true),
                             without = checklist(8, 4, torch::kBFloat16);
   auto levels = [](const std::vector<Recipe>& recipes) {

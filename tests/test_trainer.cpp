@@ -397,6 +397,9 @@ TEST(Trainer, FourBitStateTrainsAndIsWhatTheFactoryBuilds) {
   auto net = small_mlp();
   const auto opt = adamw()(net->parameters(), Recipe().state_bits(4));
   ASSERT_NE(dynamic_cast<optim::AdamW4bit*>(opt.get()), nullptr);
+  const auto sgd4 = sgd(0.1)(net->parameters(), Recipe().state_bits(4));
+  ASSERT_NE(dynamic_cast<optim::SGD4bit*>(sgd4.get()), nullptr);
+  EXPECT_EQ(static_cast<const optim::SGD4bitOptions&>(sgd4->param_groups()[0].options()).momentum(), 0.9);
 }
 
 TEST(Trainer, AccumulationGivesTheFullBatchStep) {
@@ -581,7 +584,8 @@ TEST(TrainerErrors, ImpossibleRecipesAreRejectedAtConstruction) {
   EXPECT_THROW(Trainer(net, adamw(), Recipe().micro_batch(-1)), c10::Error);
   EXPECT_THROW(Trainer(net, adamw(), Recipe().amp(torch::kFloat)), c10::Error);
   EXPECT_THROW(Trainer(net, adamw(), Recipe().state_bits(6)), c10::Error);
-  EXPECT_THROW(Trainer(net, sgd(0.1), Recipe().state_bits(4)), c10::Error);  // 4-bit state: AdamW only
+  // offloaded state: AdamW only
+  EXPECT_THROW(Trainer(net, sgd(0.1), Recipe().offload(Offload::kOptimizerState)), c10::Error);
   EXPECT_THROW(Trainer(net, adamw(), Recipe().checkpoint(Checkpointing::segments(9))), c10::Error);
   auto plain = std::make_shared<torch::optim::AdamW>(net->parameters());
   EXPECT_THROW(Trainer(net, plain, Recipe().state_bits(8)), c10::Error);
@@ -934,6 +938,8 @@ TEST(Trainer, ResumesUnderARecipeWithOtherOptimizerState) {
       {Recipe().offload(Offload::kOptimizerState).state_bits(8), Recipe().state_bits(8), adamw(1e-2), true},
       {Recipe(), Recipe().grad_scaling(GradScaling::kOn), adamw(1e-2), true},
       {Recipe(), Recipe().state_bits(8), sgd(0.05), false},
+      {Recipe().state_bits(8), Recipe().state_bits(4), sgd(0.05), false},
+      {Recipe().state_bits(4), Recipe(), sgd(0.05), false},
   };
   const auto batches = mlp_batches(6);
   const std::string file = temp_file("convert");

@@ -1,4 +1,5 @@
-// Optimizers with 8-bit state (Adam8bit, AdamW8bit, Lion8bit, SGD8bit) and 4-bit state (Adam4bit, AdamW4bit).
+// Optimizers with 8-bit state (Adam8bit, AdamW8bit, Lion8bit, SGD8bit) and 4-bit state (Adam4bit, AdamW4bit,
+// SGD4bit).
 //
 //   memsave::optim::AdamW8bit opt(net->parameters(),
 //   memsave::optim::AdamW8bitOptions(1e-3).weight_decay(0.01));
@@ -14,7 +15,11 @@
 // States", 2023, with blockwise scaling for both moments) pack two codes to a byte, in blocks of 128 by
 // default: a 16-value dynamic-exponent book for the first moment and the linear book k/16 (k = 1...16, no
 // zero) for the second, so that a small second moment never dequantizes to 0 and blows up its update. Adam
-// keeps about 1.06 bytes of state per parameter.
+// keeps about 1.06 bytes of state per parameter; SGD, whose momentum takes the first moment's book, 0.53.
+// (Lion has no 4-bit state: its running average, beta2 0.99 by default, moves each step by 1% of the
+// gradient's distance from it, far less than half the 16-value book's gaps, so nearest rounding keeps most of
+// it where it was and its signs go stale: on Fashion-MNIST it lost 1.35 points against fp32 Lion where 8-bit
+// lost none, bench/RESULTS-fashion-mnist.md.)
 #pragma once
 
 #include <memsave/memory.h>
@@ -183,6 +188,31 @@ struct AdamW4bitOptions : torch::optim::OptimizerCloneableOptions<AdamW4bitOptio
   friend bool operator==(const AdamW4bitOptions& a, const AdamW4bitOptions& b);
 };
 
+struct SGD4bitOptions : torch::optim::OptimizerCloneableOptions<SGD4bitOptions> {
+  SGD4bitOptions(double lr) : lr_(lr) {}  // NOLINT
+  /// Learning rate.
+  TORCH_ARG(double, lr);
+  /// Momentum factor, > 0 (without momentum SGD keeps no state: use torch::optim::SGD).
+  TORCH_ARG(double, momentum) = 0.9;
+  /// Dampening of the momentum.
+  TORCH_ARG(double, dampening) = 0;
+  /// L2 penalty added to the gradient.
+  TORCH_ARG(double, weight_decay) = 0;
+  /// Nesterov momentum (needs zero dampening).
+  TORCH_ARG(bool, nesterov) = false;
+  /// Elements per quantization block: a power of two in [64, 4096].
+  TORCH_ARG(int64_t, block_size) = 128;
+  /// Tensors with fewer elements keep fp32 state.
+  TORCH_ARG(int64_t, min_4bit_size) = 4096;
+
+ public:
+  void serialize(torch::serialize::InputArchive& archive) override;
+  void serialize(torch::serialize::OutputArchive& archive) const override;
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+  friend bool operator==(const SGD4bitOptions& a, const SGD4bitOptions& b);
+};
+
 /// One parameter's state: 8-bit or 4-bit codes with one absmax per block, or fp32 tensors (block_size 0).
 struct QuantizedParamState : torch::optim::OptimizerCloneableParamState<QuantizedParamState> {
   /// Steps taken.
@@ -336,19 +366,31 @@ class AdamW4bit : public LowBitOptimizer {
   Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
 };
 
+/// SGD with momentum, its buffer in 4-bit state.
+class SGD4bit : public LowBitOptimizer {
+ public:
+  explicit SGD4bit(const std::vector<torch::optim::OptimizerParamGroup>& groups, SGD4bitOptions defaults);
+  explicit SGD4bit(std::vector<torch::Tensor> params, SGD4bitOptions defaults)
+      : SGD4bit({torch::optim::OptimizerParamGroup(std::move(params))}, std::move(defaults)) {}
+
+ protected:
+  Hyper hyper(const torch::optim::OptimizerOptions& options) const override;
+};
+
 /// Copies `from`'s optimizer state into `to`, converting it to what `to` keeps: fp32, 8-bit or 4-bit, on the
 /// device or offloaded (a run resumed with less memory, or moved back to fp32 state). The i-th parameter of
 /// `from`'s groups gives its moments and step count to the i-th of `to`'s; shapes must agree, devices and
 /// dtypes need not. Both optimizers must follow one rule: Adam and AdamW (whose moments mean the same), among
 /// torch::optim::Adam, torch::optim::AdamW, memsave's Adam and AdamW with 8- or 4-bit state and
-/// memsave::OffloadOptimizer; SGD with momentum (torch::optim::SGD, SGD8bit); Lion (Lion8bit). `to` quantizes
-/// each tensor as its own step would (its block size and size thresholds) to the nearest codes; state already
-/// in `to`'s format (fp32 into fp32, codes into codes of the same bits and block size) is copied exactly.
-/// What `to` held before is replaced: a parameter without state in `from` has none after. Hyper-parameters
-/// (learning rate included) and an OffloadOptimizer's master weights stay `to`'s. A torch::optim::SGD buffer
-/// becomes state of step 1 (SGD's update does not depend on the count). Anything that does not fit (other
-/// shapes or rules, AMSGrad's extra moment, SGD without momentum into which nothing can go) is an error
-/// before `to` changes, and so is running out of memory: the new state is built before the old is released.
+/// memsave::OffloadOptimizer; SGD with momentum (torch::optim::SGD, SGD8bit, SGD4bit); Lion (Lion8bit). `to`
+/// quantizes each tensor as its own step would (its block size and size thresholds) to the nearest codes;
+/// state already in `to`'s format (fp32 into fp32, codes into codes of the same bits and block size) is
+/// copied exactly. What `to` held before is replaced: a parameter without state in `from` has none after.
+/// Hyper-parameters (learning rate included) and an OffloadOptimizer's master weights stay `to`'s. A
+/// torch::optim::SGD buffer becomes state of step 1 (SGD's update does not depend on the count). Anything
+/// that does not fit (other shapes or rules, AMSGrad's extra moment, SGD without momentum into which nothing
+/// can go) is an error before `to` changes, and so is running out of memory: the new state is built before
+/// the old is released.
 void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to);
 
 }  // namespace memsave::optim

@@ -98,7 +98,8 @@ using OptimizerFactory = std::function<std::unique_ptr<torch::optim::Optimizer>(
 /// recipe offloads the optimizer state. (A Trainer given an OffloadOptimizer with `step_during_backward`
 /// steps during the backward when its recipe neither clips nor scales.)
 OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
-/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit; no 4-bit, no offload.
+/// SGD with momentum: LibTorch's for 32-bit state, memsave::optim::SGD8bit for 8-bit, SGD4bit for 4-bit; no
+/// offload.
 OptimizerFactory sgd(double lr, double momentum = 0.9);
 
 struct StepStats {
