@@ -3,6 +3,7 @@
 #include "memsave/amp.h"
 #include "memsave/checkpoint.h"
 #include "memsave/memory.h"
+#include "memsave/offload.h"
 #include "memsave/optim.h"
 
 #include "autograd_graph.h"
@@ -469,7 +470,8 @@ c10::ScalarType mixed_precision_dtype(c10::Device device) {
 #endif
 }
 
-std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp, bool four_bit_state) {
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp, bool four_bit_state,
+                              bool offloaded_state) {
   TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "checklist: amp must be BFloat16 or Half, got ",
               amp);
   std::vector<Recipe> levels;  // fp16 (Recipe's kAuto) scales the gradients, bf16 does not
@@ -482,7 +484,8 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
   levels.push_back(Recipe(levels.back()).state_bits(8));
   if (four_bit_state) levels.push_back(Recipe(levels.back()).state_bits(4));
   // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
-  levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
+  if (offloaded_state)
+    levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
   std::vector<int64_t> micro;
   for (int64_t m = batch; m >= 1; m = (m + 1) / 2) {
     micro.push_back(m);
@@ -501,6 +504,16 @@ bool builds_four_bit_state(const OptimizerFactory& optimizer) {
     const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(built.get());
     return low_bit != nullptr && low_bit->bits() == 4;
   } catch (const c10::Error&) {  // e.g. a factory that refuses 4-bit state
+    return false;
+  }
+}
+
+bool builds_offloaded_state(const OptimizerFactory& optimizer) {
+  const auto probe = torch::zeros({1}, torch::requires_grad());
+  try {
+    const auto built = optimizer({probe}, Recipe().state_bits(8).offload(Offload::kOptimizerState));
+    return dynamic_cast<const OffloadOptimizer*>(built.get()) != nullptr;
+  } catch (const c10::Error&) {  // e.g. memsave::sgd: offloading is AdamW's only
     return false;
   }
 }
@@ -552,7 +565,8 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   }
 
   const std::vector<Recipe> recipes =
-      checklist(options.batch(), model.elements(), amp, builds_four_bit_state(setup.optimizer));
+      checklist(options.batch(), model.elements(), amp, builds_four_bit_state(setup.optimizer),
+                builds_offloaded_state(setup.optimizer));
   for (const Recipe& r : recipes) {
     Candidate c;
     c.recipe = r;

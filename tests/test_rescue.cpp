@@ -121,6 +121,27 @@ TEST(Rescue, NeverRunsACandidateWhoseStaticBytesExceedTheBudget) {
   }
 }
 
+TEST(Rescue, AnOptimizerThatCannotOffloadGetsNoOffloadLevel) {
+  // memsave::sgd keeps its state on the device (8-bit or 4-bit) but does not offload it: the plan offers it
+  // the levels it can build and measures them, where it used to stop with the factory's error at the offload
+  // level.
+  TrainingSetup setup = training_setup("mlp");
+  setup.optimizer = sgd(0.05);
+  const MemoryModel model = MemoryModel::profile(setup, 8, torch::kCPU);
+  const int64_t budget = model.parameter_bytes() * 3;  // only low-bit state fits
+  const RescuePlan plan = rescue(setup, RescueOptions(8, budget).steps(2));
+  bool four_bit = false;
+  for (const Candidate& c : plan.candidates) {
+    EXPECT_EQ(c.recipe.offload(), Offload::kNone) << c.recipe.label();
+    four_bit = four_bit || c.recipe.state_bits() == 4;
+  }
+  EXPECT_TRUE(four_bit);
+  ASSERT_TRUE(plan.recommended.has_value());
+  EXPECT_NE(plan.candidates[*plan.recommended].recipe.state_bits(), 32);
+  EXPECT_FALSE(builds_offloaded_state(sgd(0.05)));
+  EXPECT_TRUE(builds_offloaded_state(adamw()));
+}
+
 TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
   install_meter();
   EXPECT_EQ(mixed_precision_dtype(torch::kCPU), torch::kBFloat16);
