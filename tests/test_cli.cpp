@@ -94,6 +94,27 @@ TEST(Cli, ReportCountsTheStateOf4BitAdamW) {
   EXPECT_TRUE(j["rules"][1]["holds"].get<bool>()) << j["rules"][1].dump();
 }
 
+TEST(Cli, ReportCountsTheStateOfLowBitMomentum) {
+  // SGD and Lion keep one moment: per weight element a byte (8-bit) or half a byte (4-bit) of codes and 4
+  // bytes of absmax per block of 256 (128); the biases (under 4096 elements) keep 4 bytes of fp32 state per
+  // element
+  const int64_t weights = 784 * 2048 + 2048 * 2048 + 2048 * 10, biases = 2048 + 2048 + 10;
+  const int64_t blocks256 = (784 * 2048) / 256 + (2048 * 2048) / 256 + (2048 * 10) / 256;
+  const int64_t blocks128 = (784 * 2048) / 128 + (2048 * 2048) / 128 + (2048 * 10) / 128;
+  const std::vector<std::pair<std::string, int64_t>> cases = {
+      {"sgd8bit", weights + 4 * blocks256 + 4 * biases},
+      {"lion8bit", weights + 4 * blocks256 + 4 * biases},
+      {"sgd4bit", weights / 2 + 4 * blocks128 + 4 * biases},
+  };
+  for (const auto& [name, bytes] : cases) {
+    const Result r = invoke_stdout("report --model mlp --batch 4 --optimizer " + name + " --json");
+    ASSERT_EQ(r.code, 0) << name << ": " << r.output;
+    const auto j = nlohmann::json::parse(r.output);
+    EXPECT_EQ(j["breakdown"]["optimizer_state"].get<int64_t>(), bytes) << name;
+    EXPECT_TRUE(j["rules"][1]["holds"].get<bool>()) << name << ": " << j["rules"][1].dump();
+  }
+}
+
 TEST(Cli, UnknownModelListsTheValidOnesWithExitCode2) {
   const Result r = invoke("report --model resnet19");
   EXPECT_EQ(r.code, 2) << r.output;

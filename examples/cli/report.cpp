@@ -27,6 +27,9 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const std::string& name,
   if (name == "adamw") return std::make_unique<torch::optim::AdamW>(params, torch::optim::AdamWOptions(1e-3));
   if (name == "adamw8bit") return std::make_unique<optim::AdamW8bit>(params, optim::AdamW8bitOptions(1e-3));
   if (name == "adamw4bit") return std::make_unique<optim::AdamW4bit>(params, optim::AdamW4bitOptions(1e-3));
+  if (name == "sgd8bit") return std::make_unique<optim::SGD8bit>(params, optim::SGD8bitOptions(0.01));
+  if (name == "sgd4bit") return std::make_unique<optim::SGD4bit>(params, optim::SGD4bitOptions(0.01));
+  if (name == "lion8bit") return std::make_unique<optim::Lion8bit>(params, optim::Lion8bitOptions(1e-4));
   TORCH_CHECK(false, "unknown optimizer '", name, "' (valid: ", join(optimizer_names()), ")");
 }
 
@@ -51,7 +54,9 @@ std::string signed_bytes(int64_t bytes) {
 
 }  // namespace
 
-std::vector<std::string> optimizer_names() { return {"sgd", "adam", "adamw", "adamw8bit", "adamw4bit"}; }
+std::vector<std::string> optimizer_names() {
+  return {"sgd", "adam", "adamw", "adamw8bit", "adamw4bit", "sgd8bit", "sgd4bit", "lion8bit"};
+}
 
 void run_report(const ReportOptions& options, Report& report) {
   report.options = options;
@@ -120,6 +125,11 @@ void run_report(const ReportOptions& options, Report& report) {
   // 1 byte of codes for two elements and 8 of absmax per 128 elements
   if (options.optimizer == "adamw4bit")
     state_rule = {"4-bit Adam state = 0.27x parameter bytes", 0.25, 0.3, state};
+  // one moment: 1 byte of codes and 4 of absmax per 256 elements; 4-bit: a byte for two, 4 per 128
+  if (options.optimizer == "sgd8bit" || options.optimizer == "lion8bit")
+    state_rule = {"8-bit momentum = 0.25x parameter bytes", 0.25, 0.28, state};
+  if (options.optimizer == "sgd4bit")
+    state_rule = {"4-bit momentum = 0.13x parameter bytes", 0.125, 0.15, state};
   report.rules = {
       {"gradients = parameter bytes", 1.0, 1.0, ratio(parts.gradients, parts.parameters)},
       state_rule,
