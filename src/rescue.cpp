@@ -470,8 +470,8 @@ c10::ScalarType mixed_precision_dtype(c10::Device device) {
 #endif
 }
 
-std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp, bool four_bit_state,
-                              bool offloaded_state) {
+std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp,
+                              const OptimizerFactory& optimizer) {
   TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "checklist: amp must be BFloat16 or Half, got ",
               amp);
   std::vector<Recipe> levels;  // fp16 (Recipe's kAuto) scales the gradients, bf16 does not
@@ -482,10 +482,16 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
     levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::segments(root)));
   if (elements >= 2) levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::every_layer()));
   levels.push_back(Recipe(levels.back()).state_bits(8));
-  if (four_bit_state) levels.push_back(Recipe(levels.back()).state_bits(4));
+  levels.push_back(Recipe(levels.back()).state_bits(4));
   // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
-  if (offloaded_state)
-    levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
+  levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
+  // The fp32 levels stay: any optimizer keeps fp32 state.
+  levels.erase(std::remove_if(levels.begin(), levels.end(),
+                              [&](const Recipe& r) {
+                                return (r.state_bits() != 32 || r.offload() != Offload::kNone) &&
+                                       !builds_state(optimizer, r);
+                              }),
+               levels.end());
   std::vector<int64_t> micro;
   for (int64_t m = batch; m >= 1; m = (m + 1) / 2) {
     micro.push_back(m);
@@ -495,27 +501,6 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
   for (const Recipe& level : levels)
     for (int64_t m : micro) out.push_back(Recipe(level).micro_batch(m == batch ? 0 : m));
   return out;
-}
-
-bool builds_four_bit_state(const OptimizerFactory& optimizer) {
-  const auto probe = torch::zeros({1}, torch::requires_grad());
-  try {
-    const auto built = optimizer({probe}, Recipe().state_bits(4));
-    const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(built.get());
-    return low_bit != nullptr && low_bit->bits() == 4;
-  } catch (const c10::Error&) {  // e.g. a factory that refuses 4-bit state
-    return false;
-  }
-}
-
-bool builds_offloaded_state(const OptimizerFactory& optimizer) {
-  const auto probe = torch::zeros({1}, torch::requires_grad());
-  try {
-    const auto built = optimizer({probe}, Recipe().state_bits(8).offload(Offload::kOptimizerState));
-    return dynamic_cast<const OffloadOptimizer*>(built.get()) != nullptr;
-  } catch (const c10::Error&) {  // e.g. memsave::sgd: offloading is AdamW's only
-    return false;
-  }
 }
 
 std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double tie) {
@@ -564,9 +549,7 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
     return plan;
   }
 
-  const std::vector<Recipe> recipes =
-      checklist(options.batch(), model.elements(), amp, builds_four_bit_state(setup.optimizer),
-                builds_offloaded_state(setup.optimizer));
+  const std::vector<Recipe> recipes = checklist(options.batch(), model.elements(), amp, setup.optimizer);
   for (const Recipe& r : recipes) {
     Candidate c;
     c.recipe = r;

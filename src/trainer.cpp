@@ -153,12 +153,61 @@ OptimizerFactory sgd(double lr, double momentum) {
   };
 }
 
+namespace {
+
+std::string type_name(const torch::optim::Optimizer& optimizer) {
+  return c10::demangle(typeid(optimizer).name());
+}
+
+/// Bits per element of the optimizer state `optimizer` keeps: its state_bits for an OffloadOptimizer, its
+/// codes' for memsave's low-bit optimizers, 32 for any other.
+int64_t state_bits_of(const torch::optim::Optimizer& optimizer) {
+  if (const auto* offload = dynamic_cast<const OffloadOptimizer*>(&optimizer))
+    return static_cast<const OffloadOptimizerOptions&>(offload->param_groups().front().options())
+        .state_bits();
+  if (const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(&optimizer)) return low_bit->bits();
+  return 32;
+}
+
+/// Why `optimizer` does not keep the state `recipe` asks for (builds_state's rule); empty when it does. With
+/// `exact`, 32-bit state also refuses memsave's low-bit optimizers: an optimizer handed over as it is keeps
+/// what it keeps, where a factory may build one for fp32 state through its size threshold (Lion, which
+/// LibTorch lacks, say).
+std::string state_mismatch(const torch::optim::Optimizer& optimizer, const Recipe& recipe, bool exact) {
+  const bool offloads = dynamic_cast<const OffloadOptimizer*>(&optimizer) != nullptr;
+  const int64_t bits = state_bits_of(optimizer);
+  if (offloads != (recipe.offload() == Offload::kOptimizerState)) {
+    return c10::str("the recipe ", offloads ? "does not offload" : "offloads", " the optimizer state but ",
+                    type_name(optimizer), offloads ? " is" : " is not", " a memsave::OffloadOptimizer");
+  }
+  if ((exact || recipe.state_bits() != 32) && bits != recipe.state_bits()) {
+    return c10::str("the recipe asks for ", recipe.state_bits(), "-bit optimizer state but ",
+                    type_name(optimizer), " keeps ", bits, "-bit state");
+  }
+  return {};
+}
+
+}  // namespace
+
+bool builds_state(const OptimizerFactory& optimizer, const Recipe& recipe) {
+  TORCH_CHECK(optimizer, "builds_state: the optimizer factory is empty");
+  const auto probe = torch::zeros({1}, torch::requires_grad());
+  try {
+    const auto built = optimizer({probe}, recipe);
+    return built != nullptr && state_mismatch(*built, recipe, /*exact=*/false).empty();
+  } catch (const c10::Error&) {  // a factory that refuses the recipe (memsave::sgd: offloaded state)
+    return false;
+  }
+}
+
 Trainer::Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optimizer, Recipe recipe)
     : recipe_(std::move(recipe)) {
   TORCH_CHECK(make_optimizer, "Trainer: make_optimizer is empty");
   apply(model);
   optimizer_ = make_optimizer(unique_parameters(model->parameters()), recipe_);
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: make_optimizer returned no optimizer");
+  const std::string mismatch = state_mismatch(*optimizer_, recipe_, /*exact=*/false);
+  TORCH_CHECK(mismatch.empty(), "Trainer: make_optimizer built an optimizer for another recipe: ", mismatch);
   make_accumulator();
 }
 
@@ -166,19 +215,9 @@ Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Opti
                  Recipe recipe)
     : recipe_(std::move(recipe)), optimizer_(std::move(optimizer)) {
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: optimizer is null");
-  const auto* offload = dynamic_cast<const OffloadOptimizer*>(optimizer_.get());
-  TORCH_CHECK((offload != nullptr) == (recipe_.offload() == Offload::kOptimizerState), "Trainer: the recipe ",
-              recipe_.offload() == Offload::kNone ? "does not offload" : "offloads",
-              " the optimizer state but the optimizer given ", offload ? "is" : "is not",
-              " a memsave::OffloadOptimizer");
-  const auto* low_bit = dynamic_cast<const optim::LowBitOptimizer*>(optimizer_.get());
-  const int64_t bits =
-      offload ? static_cast<const OffloadOptimizerOptions&>(offload->param_groups().front().options())
-                    .state_bits()
-              : (low_bit ? low_bit->bits() : 32);
-  TORCH_CHECK(bits == recipe_.state_bits(), "Trainer: the recipe asks for ", recipe_.state_bits(),
-              "-bit optimizer state but the optimizer given keeps ", bits,
-              "-bit state; build it with an OptimizerFactory (memsave::adamw) instead");
+  const std::string mismatch = state_mismatch(*optimizer_, recipe_, /*exact=*/true);
+  TORCH_CHECK(mismatch.empty(), "Trainer: ", mismatch,
+              "; build the optimizer with an OptimizerFactory (memsave::adamw) instead");
   apply(model);
   make_accumulator();
 }
@@ -411,10 +450,6 @@ class OptimizerSnapshot {
   std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> options_;
   std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())> state_;
 };
-
-std::string type_name(const torch::optim::Optimizer& optimizer) {
-  return c10::demangle(typeid(optimizer).name());
-}
 
 /// An optimizer of the type a Trainer's file names (with its `bits`), over CPU stand-ins of `params`, to read
 /// the file's optimizer state `state` into so that it can be converted; null for a type it does not know.

@@ -138,8 +138,6 @@ TEST(Rescue, AnOptimizerThatCannotOffloadGetsNoOffloadLevel) {
   EXPECT_TRUE(four_bit);
   ASSERT_TRUE(plan.recommended.has_value());
   EXPECT_NE(plan.candidates[*plan.recommended].recipe.state_bits(), 32);
-  EXPECT_FALSE(builds_offloaded_state(sgd(0.05)));
-  EXPECT_TRUE(builds_offloaded_state(adamw()));
 }
 
 TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
@@ -187,34 +185,63 @@ TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
   EXPECT_THROW(rescue(setup, RescueOptions(batch, budget).amp(torch::kFloat)), c10::Error);
 }
 
-TEST(Rescue, TheFourBitLevelComesOnlyWithAnOptimizerThatHasIt) {
-  EXPECT_TRUE(builds_four_bit_state(adamw()));
-  EXPECT_TRUE(builds_four_bit_state(sgd(0.1)));
-  // a user's factory that keeps LibTorch's optimizer whatever the recipe's bits, and one that refuses 4 bits
+TEST(Rescue, TheChecklistHasTheStateLevelsTheOptimizerBuilds) {
+  const Recipe eight = Recipe().state_bits(8), four = Recipe().state_bits(4),
+               offloaded = Recipe().state_bits(8).offload(Offload::kOptimizerState);
+  for (const Recipe& r : {Recipe(), eight, four, offloaded})
+    EXPECT_TRUE(builds_state(adamw(), r)) << r.label();
+  EXPECT_TRUE(builds_state(sgd(0.1), eight));
+  EXPECT_TRUE(builds_state(sgd(0.1), four));
+  EXPECT_FALSE(builds_state(sgd(0.1), offloaded));  // it refuses
+  // a user's factory that keeps LibTorch's optimizer whatever the recipe, and one that refuses 4 bits
   const OptimizerFactory plain = [](const std::vector<torch::Tensor>& params, const Recipe&) {
     return std::make_unique<torch::optim::Adam>(params);
   };
-  const OptimizerFactory refusing = [](const std::vector<torch::Tensor>& params, const Recipe& recipe) {
+  const OptimizerFactory refusing = [](const std::vector<torch::Tensor>& params,
+                                       const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     TORCH_CHECK(recipe.state_bits() != 4, "no 4-bit state here");
-    return std::make_unique<torch::optim::Adam>(params);
+    return adamw()(params, recipe);
   };
-  EXPECT_FALSE(builds_four_bit_state(plain));
-  EXPECT_FALSE(builds_four_bit_state(refusing));
-  const std::vector<Recipe> with = checklist(8, 4, torch::kBFloat16, true),
-                            without = checklist(8, 4, torch::kBFloat16);
-  auto levels = [](const std::vector<Recipe>& recipes) {
+  EXPECT_TRUE(builds_state(plain, Recipe()));
+  for (const Recipe& r : {eight, four, offloaded}) EXPECT_FALSE(builds_state(plain, r)) << r.label();
+  EXPECT_FALSE(builds_state(refusing, four));
+  EXPECT_TRUE(builds_state(refusing, offloaded));
+
+  auto levels = [](const OptimizerFactory& optimizer) {
     std::vector<std::string> out;
-    for (const Recipe& r : recipes)
+    for (const Recipe& r : checklist(8, 4, torch::kBFloat16, optimizer))
       if (r.micro_batch() == 0) out.push_back(r.label());
     return out;
   };
-  const std::vector<std::string> a = levels(with), b = levels(without);
-  ASSERT_EQ(a.size(), b.size() + 1);
-  ASSERT_GE(a.size(), 3u);
-  EXPECT_EQ(a[a.size() - 3], b[b.size() - 2]);  // ... + 8-bit state, then 4-bit, then 8-bit offloaded
-  EXPECT_EQ(a[a.size() - 2], "bf16 + ckpt every layer + 4-bit state");
-  EXPECT_EQ(a.back(), b.back());
-  EXPECT_EQ(with.size(), without.size() + 4);  // micro-batches 8 (whole), 4, 2, 1
+  const std::vector<std::string> all = levels(adamw());
+  ASSERT_EQ(all.size(),
+            7u);  // fp32, bf16, + ckpt 2 segments, + ckpt every layer, + 8-bit, + 4-bit, + offload
+  EXPECT_EQ(all[4], "bf16 + ckpt every layer + 8-bit state");
+  EXPECT_EQ(all[5], "bf16 + ckpt every layer + 4-bit state");
+  EXPECT_EQ(all[6], "bf16 + ckpt every layer + 8-bit state + offload state");
+  EXPECT_EQ(levels(sgd(0.1)), std::vector<std::string>(all.begin(), all.end() - 1));
+  EXPECT_EQ(levels(plain), std::vector<std::string>(all.begin(), all.begin() + 4));
+  std::vector<std::string> without_four = all;
+  without_four.erase(without_four.begin() + 5);
+  EXPECT_EQ(levels(refusing), without_four);
+  EXPECT_EQ(checklist(8, 4, torch::kBFloat16, plain).size(), 4u * 4u);  // micro-batches 8 (whole), 4, 2, 1
+}
+
+TEST(Rescue, AFactoryThatIgnoresTheRecipeGetsOnlyFp32LevelsMeasured) {
+  // A user's factory that returns LibTorch's AdamW whatever the recipe: no candidate is labelled 8-bit or
+  // offloaded while measuring fp32 state, and the Trainer refuses such a recipe with it.
+  TrainingSetup setup = training_setup("mlp");
+  setup.optimizer = [](const std::vector<torch::Tensor>& params, const Recipe&) {
+    return std::make_unique<torch::optim::AdamW>(params);
+  };
+  const RescuePlan plan = rescue(setup, RescueOptions(8, int64_t{1} << 30).steps(2));
+  ASSERT_FALSE(plan.candidates.empty());
+  for (const Candidate& c : plan.candidates) {
+    EXPECT_EQ(c.recipe.state_bits(), 32) << c.recipe.label();
+    EXPECT_EQ(c.recipe.offload(), Offload::kNone) << c.recipe.label();
+  }
+  auto net = setup.make_model();
+  EXPECT_THROW(Trainer(net, setup.optimizer, Recipe().state_bits(8)), c10::Error);
 }
 
 TEST(Rescue, BadOptionsAreErrors) {
@@ -287,7 +314,7 @@ TEST(Rescue, OnTheCpuRunsStopAtTheSimulatedDeviceRoom) {
 void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch,
                                    c10::ScalarType amp = torch::kBFloat16) {
   const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU, amp);
-  for (const Recipe& r : checklist(batch, model.elements(), amp, /*four_bit_state=*/true)) {
+  for (const Recipe& r : checklist(batch, model.elements(), amp, setup.optimizer)) {
     if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;
     const int64_t measured = measure(setup, r, batch, torch::kCPU, 2).peak;
     const double error =

@@ -594,6 +594,33 @@ TEST(TrainerErrors, ImpossibleRecipesAreRejectedAtConstruction) {
   auto four = std::make_shared<optim::AdamW4bit>(net->parameters());
   EXPECT_NO_THROW(Trainer(net, four, Recipe().state_bits(4)));
   EXPECT_THROW(Trainer(net, four, Recipe().state_bits(8)), c10::Error);
+  // A factory must build the state its recipe asks for: one that returns LibTorch's AdamW whatever the recipe
+  // is refused for 8-bit or offloaded state, naming both, rather than train with fp32 state on the device.
+  const OptimizerFactory plain_factory = [](const std::vector<torch::Tensor>& params, const Recipe&) {
+    return std::make_unique<torch::optim::AdamW>(params);
+  };
+  EXPECT_NO_THROW(Trainer(net, plain_factory, Recipe()));
+  const auto message = [&](const Recipe& recipe) {
+    try {
+      Trainer(net, plain_factory, recipe);
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message(Recipe().state_bits(8))
+                .find("asks for 8-bit optimizer state but torch::optim::AdamW keeps "
+                      "32-bit state"),
+            std::string::npos);
+  EXPECT_NE(message(Recipe().offload(Offload::kOptimizerState)).find("is not a memsave::OffloadOptimizer"),
+            std::string::npos);
+  // A factory may build fp32 state with one of memsave's optimizers (Lion, which LibTorch lacks, under its
+  // size threshold).
+  const OptimizerFactory lion = [](const std::vector<torch::Tensor>& params, const Recipe&) {
+    return std::make_unique<optim::Lion8bit>(params,
+                                             optim::Lion8bitOptions().min_8bit_size(int64_t{1} << 40));
+  };
+  EXPECT_NO_THROW(Trainer(net, lion, Recipe()));
 }
 
 TEST(TrainerErrors, BadBatchesChangeNothing) {

@@ -224,8 +224,7 @@ std::vector<Estimate> run_estimate(const std::string& model, int64_t batch, c10:
   if (progress) std::cerr << "\rprofiling " << model << std::flush;
   const MemoryModel memory = MemoryModel::profile(setup, batch, device, amp);
   std::vector<Recipe> recipes;
-  for (const Recipe& r : checklist(batch, memory.elements(), amp, builds_four_bit_state(setup.optimizer),
-                                   builds_offloaded_state(setup.optimizer)))
+  for (const Recipe& r : checklist(batch, memory.elements(), amp, setup.optimizer))
     if (r.micro_batch() == 0 || r.micro_batch() * 4 >= batch)
       recipes.push_back(r);  // micro down to a quarter
   std::vector<Estimate> rows;

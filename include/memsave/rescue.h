@@ -189,19 +189,12 @@ struct RescuePlan {
 c10::ScalarType mixed_precision_dtype(c10::Device device);
 
 /// The candidates of the checklist, in order: levels fp32, +mixed precision (autocast to `amp`: kBFloat16,
-/// or kHalf with a GradScaler), +checkpointing √n segments, +checkpointing every layer, +8-bit state, then
-/// (with `four_bit_state`) 4-bit state, then (with `offloaded_state`) 8-bit state offloaded, each with
-/// micro-batches batch, batch/2, ... 1.
+/// or kHalf with a GradScaler), +checkpointing √n segments, +checkpointing every layer, +8-bit state, +4-bit
+/// state, +8-bit state offloaded, each with micro-batches batch, batch/2, ... 1; but the levels whose state
+/// `optimizer` does not build (builds_state: memsave::sgd has no offloaded state, a factory that returns
+/// LibTorch's optimizer whatever the recipe no low-bit state).
 std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp,
-                              bool four_bit_state = false, bool offloaded_state = true);
-
-/// Whether `optimizer` builds 4-bit state for Recipe().state_bits(4) (memsave::adamw and memsave::sgd do):
-/// rescue() adds the 4-bit level to the checklist only then.
-bool builds_four_bit_state(const OptimizerFactory& optimizer);
-
-/// Whether `optimizer` builds a memsave::OffloadOptimizer for a recipe that offloads the optimizer state
-/// (memsave::adamw does, memsave::sgd does not): rescue() adds the offload level to the checklist only then.
-bool builds_offloaded_state(const OptimizerFactory& optimizer);
+                              const OptimizerFactory& optimizer = adamw());
 
 /// The rescue's choice among measured candidates (in checklist order): the first that fits whose step time is
 /// at most (1 + tie) times the fastest fitting one's; none when nothing fits.

@@ -102,6 +102,14 @@ OptimizerFactory adamw(double lr = 1e-3, double weight_decay = 1e-2);
 /// offload.
 OptimizerFactory sgd(double lr, double momentum = 0.9);
 
+/// Whether `optimizer`, asked for the state `recipe` keeps, builds it: a memsave::OffloadOptimizer exactly
+/// when the recipe offloads the optimizer state, and for 8-bit or 4-bit state an optimizer with codes of
+/// those bits (memsave::optim's, or an OffloadOptimizer of that state_bits). False when it throws.
+/// memsave::adamw builds every recipe's state, memsave::sgd all but offloaded state, a factory returning
+/// LibTorch's optimizer whatever the recipe only fp32 state. A Trainer refuses an optimizer that does not;
+/// the rescue's checklist leaves such levels out.
+bool builds_state(const OptimizerFactory& optimizer, const Recipe& recipe);
+
 struct StepStats {
   double loss = 0;       ///< the window's loss: sum of per-item losses / items
   double items = 0;      ///< items (or tokens, from the mask) the step was normalized by
