@@ -3,7 +3,6 @@
 #include "memsave/amp.h"
 #include "memsave/checkpoint.h"
 #include "memsave/memory.h"
-#include "memsave/offload.h"
 #include "memsave/optim.h"
 
 #include "autograd_graph.h"
@@ -485,12 +484,8 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
   levels.push_back(Recipe(levels.back()).state_bits(4));
   // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
   levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
-  // The fp32 levels stay: any optimizer keeps fp32 state.
   levels.erase(std::remove_if(levels.begin(), levels.end(),
-                              [&](const Recipe& r) {
-                                return (r.state_bits() != 32 || r.offload() != Offload::kNone) &&
-                                       !builds_state(optimizer, r);
-                              }),
+                              [&](const Recipe& r) { return !builds_state(optimizer, r); }),
                levels.end());
   std::vector<int64_t> micro;
   for (int64_t m = batch; m >= 1; m = (m + 1) / 2) {
