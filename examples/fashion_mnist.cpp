@@ -91,14 +91,12 @@ struct Optimizer {
 };
 
 /// Lion through the Trainer: LibTorch has none, so its fp32 state is Lion8bit's for tensors under its size
-/// threshold (here: all of them); 8-bit state is Lion8bit's. Lion has no 4-bit state (memsave/optim.h says
-/// why).
+/// threshold (here: all of them); 8-bit state is Lion8bit's. Lion has no 4-bit or offloaded state: the
+/// Trainer refuses such a recipe with it (memsave::builds_state).
 memsave::OptimizerFactory lion(double lr, double weight_decay) {
   return [=](const std::vector<torch::Tensor>& parameters,
              const memsave::Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
     namespace o = memsave::optim;
-    TORCH_CHECK(recipe.offload() == memsave::Offload::kNone, "lion: no offloaded state in this example");
-    TORCH_CHECK(recipe.state_bits() != 4, "lion: no 4-bit state (memsave/optim.h)");
     const int64_t min_8bit =
         recipe.state_bits() == 8 ? o::Lion8bitOptions().min_8bit_size() : std::numeric_limits<int64_t>::max();
     return std::make_unique<o::Lion8bit>(
