@@ -50,8 +50,9 @@ def main(cpp_path, peers_path, command):
     params = 1 << 24
     print(f"Command: `{command}`\n")
     print("2^24 fp32 parameters in one tensor, 2 threads, median of 5 repetitions. Memory bandwidth, the best of "
-          "three LibTorch probes over 256 MiB arrays: " + ", ".join(f"{k.lower()} {v / 1e9:.1f} GB/s" for k, v in
-                                                                     probes.items()) +
+          "the probes over 256 MiB (LibTorch's sum, copy_ and add_, and a loop of the fused Adam step's seven "
+          "streams without its arithmetic): " + ", ".join(f"{k.lower()} {v / 1e9:.1f} GB/s" for k, v in
+                                                          probes.items()) +
           f"; the floor divides the bytes an ideal step moves by {bandwidth / 1e9:.1f} GB/s.\n")
     print("| optimizer | step time | vs torch::optim::Adam | state B/param | counted by | floor B/param | "
           "floor time | fraction of floor |")
