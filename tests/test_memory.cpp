@@ -3,11 +3,13 @@
 #include "../src/memory_internal.h"
 #include "intra_op_threads.h"
 
+#include <ftw.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -131,16 +133,25 @@ TEST(HostMemory, AvailableIsPositiveAndAtMostThePhysicalMemory) {
   EXPECT_LE(available, physical);
 }
 
+/// Removes the tree at `root`, if any. NOTE: not std::filesystem::remove_all: LibTorch 2.11's libtorch.so
+/// exports its own copy of that function (from the libstdc++ it links statically, pytorch/pytorch#133437),
+/// the program binds to it, and it crashes there (a jump to address 0).
+void remove_tree(const std::string& root) {
+  nftw(
+      root.c_str(), [](const char* path, const struct stat*, int, struct FTW*) { return std::remove(path); },
+      16, FTW_DEPTH | FTW_PHYS);
+}
+
 /// A file tree standing for a machine's /proc and /sys/fs/cgroup.
 class FakeHost {
  public:
   FakeHost() : root_(::testing::TempDir() + "memsave_fake_host_" + std::to_string(getpid())) {
-    std::filesystem::remove_all(root_);
+    remove_tree(root_);
     write("/proc/meminfo",
           "MemTotal:       33554432 kB\nMemFree:         1048576 kB\n"
           "MemAvailable:    8388608 kB\nBuffers:          131072 kB\n");  // 8 GiB available
   }
-  ~FakeHost() { std::filesystem::remove_all(root_); }
+  ~FakeHost() { remove_tree(root_); }
   void write(const std::string& path, const std::string& text) const {
     std::filesystem::create_directories(std::filesystem::path(root_ + path).parent_path());
     std::ofstream(root_ + path) << text;
