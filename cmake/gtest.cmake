@@ -11,5 +11,8 @@ if(NOT TARGET GTest::gtest_main)
   else()
     find_package(GTest REQUIRED)
   endif()
-  include(GoogleTest)
 endif()
+# NOTE: in every directory that includes this file, not only the first: gtest_discover_tests reads a variable
+# that include(GoogleTest) sets in the including directory's scope, while GoogleTest's own targets are global
+# when built from sources (without it there, ctest found no tests but "..._NOT_BUILT").
+include(GoogleTest)
