@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Compiles every memsave translation unit (no linking) against the headers of another LibTorch 2.x release from
-# PyPI, by default the GPU machine's 2.11, so a version difference outside src/compat.h shows here first.
-# C++ goes through the front end only (-fsyntax-only, in a build type of its own): a version difference is one of
-# declarations, which it sees, template instantiations included, without the optimizer's time. It writes no
-# object, so every run compiles every unit again.
-#   scripts/check-torch-compat.sh [VERSION]
+# Checks memsave against another LibTorch 2.x release from PyPI, by default the GPU machine's 2.11, so that a
+# version difference outside src/compat.h shows here first.
+#   scripts/check-torch-compat.sh [VERSION]         compiles every translation unit (no linking) against its
+#                                                  headers
+#   scripts/check-torch-compat.sh [VERSION] --run  builds everything against it and runs the whole test suite on
+#                                                  its libraries (CI's way): differences at run time show too,
+#                                                  in behaviour or in what its libtorch.so exports
+# Compiling only, C++ goes through the front end (-fsyntax-only, in a build type of its own): a version
+# difference is one of declarations, which it sees, template instantiations included, without the optimizer's
+# time. It writes no object, so every run compiles every unit again.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-version="${1:-2.11.0}"
+version="2.11.0"
+run=0
+for arg in "$@"; do
+  if [[ "$arg" == "--run" ]]; then run=1; else version="$arg"; fi
+done
 cache="${MEMSAVE_COMPAT_CACHE:-$root/build-compat/torch-$version}"
-build="$root/build-compat/build-$version"
 if [[ ! -d "$cache/torch/share/cmake/Torch" ]]; then
   mkdir -p "$cache"
   if ! "$root/.venv/bin/pip" download --quiet --no-deps "torch==$version" -d "$cache"; then
@@ -18,6 +25,26 @@ if [[ ! -d "$cache/torch/share/cmake/Torch" ]]; then
   fi
   (cd "$cache" && python3 -m zipfile -e torch-"$version"-*.whl . && rm -f torch-"$version"-*.whl)
 fi
+
+if ((run)); then
+  # The wheel's libraries look for CUDA's beside them (nvidia/, where pip installs its dependencies): the venv's,
+  # those of the newest torch, stand in. When they do not satisfy this release, it is not a fault of memsave's.
+  site="$("$root/.venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+  ln -sfn "$site/nvidia" "$cache/nvidia"
+  missing=$(ldd "$cache/torch/lib/libtorch_cuda.so" | grep "not found" || true)
+  if [[ -n "$missing" ]]; then
+    echo "check-torch-compat: torch $version's libraries need what the venv lacks; skipped:" >&2
+    echo "$missing" >&2
+    exit 0
+  fi
+  build="$root/build-compat/run-$version"
+  MEMSAVE_BUILD_DIR="$build" CMAKE_PREFIX_PATH="$cache/torch/share/cmake" "$root/scripts/build.sh"
+  ctest --test-dir "$build" --output-on-failure --parallel "$(nproc)"
+  echo "check-torch-compat: built against LibTorch $version and passed every test on its libraries"
+  exit
+fi
+
+build="$root/build-compat/build-$version"
 # (no precompiled header: -fsyntax-only writes none, so each unit would parse the header anyway)
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Compat -DCMAKE_CXX_FLAGS_COMPAT=-fsyntax-only \
       -DMEMSAVE_PRECOMPILE_HEADERS=OFF \
