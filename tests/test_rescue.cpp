@@ -214,8 +214,8 @@ TEST(Rescue, TheChecklistHasTheStateLevelsTheOptimizerBuilds) {
     return out;
   };
   const std::vector<std::string> all = levels(adamw());
-  ASSERT_EQ(all.size(),
-            7u);  // fp32, bf16, + ckpt 2 segments, + ckpt every layer, + 8-bit, + 4-bit, + offload
+  // fp32, bf16, + ckpt 2 segments, + ckpt every layer, + 8-bit, + 4-bit, + offload
+  ASSERT_EQ(all.size(), 7u);
   EXPECT_EQ(all[4], "bf16 + ckpt every layer + 8-bit state");
   EXPECT_EQ(all[5], "bf16 + ckpt every layer + 4-bit state");
   EXPECT_EQ(all[6], "bf16 + ckpt every layer + 8-bit state + offload state");
