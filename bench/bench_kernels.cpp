@@ -1,10 +1,11 @@
 // memsave's CPU optimizer kernels and their pieces on data that stays in cache (2^16 elements, one thread),
 // per element: the quantized AdamW step (8-bit state in blocks of 256, 4-bit in blocks of 128), the
-// fp32-state step, and the code-book look-ups alone, for each storage type of the parameters; and the
-// quantized steps of fp32 parameters on 2^24 elements, which stream from memory (a look-up that wins in cache
-// can lose there); and the offload's gradient fingerprint beside a plain copy. The instruction set is the one
-// the kernels chose at start-up (MEMSAVE_CPU_ISA=avx512vbmi|avx512|avx2|baseline caps it); the fingerprint is
-// the header's inline loop, compiled as the glue compiles it. bench/RESULTS-optim.md quotes them.
+// fp32-state step, and the code-book look-ups alone, for each storage type of the parameters (bf16 also
+// rounded stochastically); and the quantized steps of fp32 parameters on 2^24 elements, which stream from
+// memory (a look-up that wins in cache can lose there); and the offload's gradient fingerprint beside a plain
+// copy. The instruction set is the one the kernels chose at start-up
+// (MEMSAVE_CPU_ISA=avx512vbmi|avx512|avx2|baseline caps it); the fingerprint is the header's inline loop,
+// compiled as the glue compiles it. bench/RESULTS-optim.md quotes them.
 #include "fingerprint.h"
 #include "optim_cpu.h"
 #include "qmap.h"
@@ -66,11 +67,12 @@ void per_element(benchmark::State& state, const std::string& label, std::int64_t
 
 const k::StepScalars kAdamW = k::make_step_scalars(k::Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0.01, 10);
 
-/// Args: bits of state (8 or 4), storage type, log2 of the elements.
+/// Args: bits of state (8 or 4), storage type, log2 of the elements, stochastic rounding of bf16 (1) or not.
 void BM_StepQuantized(benchmark::State& state) {
   const int bits = static_cast<int>(state.range(0));
   const auto dtype = static_cast<k::DType>(state.range(1));
   const std::int64_t n = std::int64_t{1} << state.range(2);
+  const bool stochastic = state.range(3) != 0;
   Tensors t(dtype, n);
   const std::int64_t block = bits == 8 ? 256 : 128;
   std::vector<std::uint8_t> m(k::code_bytes(n, bits), bits == 8 ? 127 : 0x77), v(k::code_bytes(n, bits), 0);
@@ -87,6 +89,7 @@ void BM_StepQuantized(benchmark::State& state) {
   step.block_size = block;
   step.rule = k::Rule::kAdamW;
   step.scalars = kAdamW;
+  step.scalars.stochastic_round = stochastic ? 1 : 0;
   step.bits = bits;
   for (int i = 0; i < 3; ++i) k::step_quantized_cpu(step, 0, n / block);  // past the all-zero start
   for (auto _ : state) {
@@ -95,24 +98,32 @@ void BM_StepQuantized(benchmark::State& state) {
   }
   per_element(state,
               std::to_string(bits) + "-bit AdamW, " + dtype_name(dtype) + " parameters, 2^" +
-                  std::to_string(state.range(2)) + " elements",
+                  std::to_string(state.range(2)) + " elements" + (stochastic ? ", stochastic rounding" : ""),
               n);
 }
-BENCHMARK(BM_StepQuantized)->ArgsProduct({{8, 4}, {0, 1, 2}, {16}})->Args({8, 0, 24})->Args({4, 0, 24});
+BENCHMARK(BM_StepQuantized)
+    ->ArgsProduct({{8, 4}, {0, 1, 2}, {16}, {0}})
+    ->Args({8, 1, 16, 1})
+    ->Args({4, 1, 16, 1})
+    ->Args({8, 0, 24, 0})
+    ->Args({4, 0, 24, 0});
 
-/// Arg: storage type.
+/// Args: storage type, stochastic rounding of bf16 (1) or not.
 void BM_Step32(benchmark::State& state) {
   const auto dtype = static_cast<k::DType>(state.range(0));
+  const bool stochastic = state.range(1) != 0;
   Tensors t(dtype, kN);
   std::vector<float> m(kN, 0.0f), v(kN, 0.0f);
-  const k::Step32 step{t.param(), t.grad(), dtype, m.data(), v.data(), kN, k::Rule::kAdamW, kAdamW, 1.0f};
+  k::Step32 step{t.param(), t.grad(), dtype, m.data(), v.data(), kN, k::Rule::kAdamW, kAdamW, 1.0f};
+  step.scalars.stochastic_round = stochastic ? 1 : 0;
   for (auto _ : state) {
     k::step32_cpu(step, 0, kN);
     benchmark::ClobberMemory();
   }
-  per_element(state, std::string("fp32-state AdamW, ") + dtype_name(dtype) + " parameters");
+  per_element(state, std::string("fp32-state AdamW, ") + dtype_name(dtype) + " parameters" +
+                         (stochastic ? ", stochastic rounding" : ""));
 }
-BENCHMARK(BM_Step32)->DenseRange(0, 2);
+BENCHMARK(BM_Step32)->ArgsProduct({{0, 1, 2}, {0}})->Args({1, 1});
 
 /// Args: bits, signed book (1) or unsigned (0). Values as a block's moments are after scaling by its absmax.
 void BM_Quantize(benchmark::State& state) {

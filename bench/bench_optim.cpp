@@ -1,7 +1,8 @@
 // One optimizer step on 2^24 fp32 parameters (one tensor) with the threads LibTorch is given (2 by default):
 // LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
 // memsave's fused fp32 AdamW, its 8-bit AdamW and its 4-bit AdamW; SGD with momentum, LibTorch's against
-// memsave's with fp32, 8-bit and 4-bit state; and the machine's memory bandwidth, for the floor.
+// memsave's with fp32, 8-bit and 4-bit state; AdamW on bf16 parameters, LibTorch's against memsave's 8-bit
+// AdamW rounding to nearest and stochastically; and the machine's memory bandwidth, for the floor.
 // bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
 #include "benchmark_main.h"
 
@@ -19,9 +20,9 @@ namespace {
 constexpr int64_t kParams = int64_t{1} << 24;
 
 struct Problem {
-  torch::Tensor param = torch::randn({kParams});
-  torch::Tensor grad = torch::randn({kParams}) * 1e-2;
-  Problem() {
+  torch::Tensor param, grad;
+  explicit Problem(torch::ScalarType dtype = torch::kFloat)
+      : param(torch::randn({kParams}).to(dtype)), grad((torch::randn({kParams}) * 1e-2).to(dtype)) {
     param.requires_grad_();
     param.mutable_grad() = grad;
   }
@@ -185,6 +186,32 @@ void BM_MemsaveSGD4bit(benchmark::State& state) {
       state, [&] { opt.step(); }, 13);
 }
 
+// bf16 parameters and gradients (no fp32 copy): LibTorch's AdamW keeps bf16 state and reads p, g, m, v and
+// writes p, m, v, 14 B per parameter; memsave's 8-bit AdamW reads 2 + 2 + 1 + 1 and writes 2 + 1 + 1, 10 B,
+// rounding new weights to nearest or stochastically (bf16_stochastic_round).
+void BM_TorchOptimAdamWBf16(benchmark::State& state) {
+  Problem problem(torch::kBFloat16);
+  torch::optim::AdamW opt(std::vector<torch::Tensor>{problem.param}, torch::optim::AdamWOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 14);
+}
+
+void BM_MemsaveAdamW8bitBf16(benchmark::State& state) {
+  Problem problem(torch::kBFloat16);
+  memsave::optim::AdamW8bit opt(std::vector<torch::Tensor>{problem.param},
+                                memsave::optim::AdamW8bitOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 10);
+}
+
+void BM_MemsaveAdamW8bitBf16Stochastic(benchmark::State& state) {
+  Problem problem(torch::kBFloat16);
+  memsave::optim::AdamW8bit opt(std::vector<torch::Tensor>{problem.param},
+                                memsave::optim::AdamW8bitOptions(1e-3).bf16_stochastic_round(true));
+  run(
+      state, [&] { opt.step(); }, 10);
+}
+
 BENCHMARK(BM_BandwidthRead)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthCopy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthInPlace)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -198,6 +225,9 @@ BENCHMARK(BM_TorchOptimSGD)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveSGD32)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveSGD8bit)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveSGD4bit)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TorchOptimAdamWBf16)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveAdamW8bitBf16)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveAdamW8bitBf16Stochastic)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -37,6 +37,11 @@ def main(cpp_path, peers_path, command):
         "BM_MemsaveSGD8bit": "memsave SGD8bit, 8-bit state",
         "BM_MemsaveSGD4bit": "memsave SGD4bit, 4-bit state",
     }
+    bf16_labels = {
+        "BM_TorchOptimAdamWBf16": "LibTorch torch::optim::AdamW, bf16 state (C++)",
+        "BM_MemsaveAdamW8bitBf16": "memsave AdamW8bit, 8-bit state, rounding to nearest",
+        "BM_MemsaveAdamW8bitBf16Stochastic": "memsave AdamW8bit, 8-bit state, bf16_stochastic_round",
+    }
     table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items() if k in labels]
     for peer in peers:
         if "error" in peer:
@@ -46,14 +51,24 @@ def main(cpp_path, peers_path, command):
         floor = FLOOR_BYTES["4bit"] if state < 1.5 else FLOOR_BYTES["8bit"] if state < 4 else FLOOR_BYTES["fp32"]
         table.append((peer["name"], peer["seconds"], peer["state_bytes_per_param"], floor, "its state tensors"))
     bandwidth = max(probes.values())
-    base = rows["BM_TorchOptimAdam"]["seconds"]
     params = 1 << 24
     print(f"Command: `{command}`\n")
-    print("2^24 fp32 parameters in one tensor, 2 threads, median of 5 repetitions. Memory bandwidth, the best of "
+    print("2^24 parameters in one tensor, 2 threads, median of 5 repetitions. Memory bandwidth, the best of "
           "the probes over 256 MiB (LibTorch's sum, copy_ and add_, and a loop of the fused Adam step's seven "
           "streams without its arithmetic): " + ", ".join(f"{k.lower()} {v / 1e9:.1f} GB/s" for k, v in
                                                           probes.items()) +
           f"; the floor divides the bytes an ideal step moves by {bandwidth / 1e9:.1f} GB/s.\n")
+    if "BM_TorchOptimAdam" in rows:
+        print_adam(table, rows["BM_TorchOptimAdam"]["seconds"], bandwidth, params)
+    print_table("SGD with momentum (fp32 state: reads p, g, buffer and writes p, buffer, 20 B per parameter; "
+                "8-bit 14 B; 4-bit 13 B):", sgd_labels, "BM_TorchOptimSGD", "torch::optim::SGD", rows, bandwidth,
+                params)
+    print_table("AdamW on bf16 parameters and gradients, no fp32 copy (LibTorch's state in bf16: reads p, g, m, "
+                "v and writes p, m, v, 14 B per parameter; 8-bit state 10 B):", bf16_labels,
+                "BM_TorchOptimAdamWBf16", "torch::optim::AdamW", rows, bandwidth, params)
+
+
+def print_adam(table, base, bandwidth, params):
     print("| optimizer | step time | vs torch::optim::Adam | state B/param | counted by | floor B/param | "
           "floor time | fraction of floor |")
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
@@ -64,18 +79,22 @@ def main(cpp_path, peers_path, command):
         floor_time = floor * params / bandwidth
         print(f"| {name} | {seconds * 1e3:.2f} ms | {base / seconds:.2f}× | {state:.4f} | {source} | {floor} | "
               f"{floor_time * 1e3:.2f} ms | {floor_time / seconds:.2f} |")
-    sgd = [(sgd_labels[k], rows[k]) for k in sgd_labels if k in rows]
-    if sgd and "BM_TorchOptimSGD" in rows:
-        sgd_base = rows["BM_TorchOptimSGD"]["seconds"]
-        print("\nSGD with momentum (fp32 state: reads p, g, buffer and writes p, buffer, 20 B per parameter; 8-bit "
-              "14 B; 4-bit 13 B):\n")
-        print("| optimizer | step time | vs torch::optim::SGD | state B/param | counted by | floor B/param | "
-              "floor time | fraction of floor |")
-        print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-        for name, v in sgd:
-            floor_time = v["floor"] * params / bandwidth
-            print(f"| {name} | {v['seconds'] * 1e3:.2f} ms | {sgd_base / v['seconds']:.2f}× | {v['state']:.4f} | "
-                  f"meter | {v['floor']:.0f} | {floor_time * 1e3:.2f} ms | {floor_time / v['seconds']:.2f} |")
+
+
+def print_table(title, labels, base_name, base_label, rows, bandwidth, params):
+    """A table of the rows named in `labels`, as ratios to `base_name`'s step time (when it ran)."""
+    present = [(labels[k], rows[k]) for k in labels if k in rows]
+    if not present or base_name not in rows:
+        return
+    base = rows[base_name]["seconds"]
+    print(f"\n{title}\n")
+    print(f"| optimizer | step time | vs {base_label} | state B/param | counted by | floor B/param | "
+          "floor time | fraction of floor |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, v in present:
+        floor_time = v["floor"] * params / bandwidth
+        print(f"| {name} | {v['seconds'] * 1e3:.2f} ms | {base / v['seconds']:.2f}× | {v['state']:.4f} | "
+              f"meter | {v['floor']:.0f} | {floor_time * 1e3:.2f} ms | {floor_time / v['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -4,9 +4,14 @@
 // (the meter) and the time. Exit 0 when the recipe's accuracy is within the tolerance of the plain run's, 1
 // when not, 2 on bad input.
 //
+// `--compare bf16-weights` instead trains the model with bf16 weights and no fp32 copy (weights, gradients
+// and activations in bf16, outside the Trainer) with AdamW8bit, rounding each new weight to nearest and then
+// stochastically (AdamW8bitOptions::bf16_stochastic_round), against fp32 weights with LibTorch's AdamW; the
+// tolerance applies to the stochastic run.
+//
 //   build/examples/fashion_mnist [--epochs N] [--data DIR] [--optimizer adamw|sgd|lion] [--micro-batch 32]
 //                                [--amp bf16] [--checkpoint every|N] [--state-bits 8] [--max-grad-norm 1.0]
-//                                [--limit IMAGES]
+//                                [--limit IMAGES] [--compare 8bit|bf16|bf16-weights]
 //   (DIR: Debian's dataset-fashion-mnist by default)
 #include <memsave/memsave.h>
 
@@ -16,6 +21,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -63,10 +69,11 @@ Split load(const std::string& dir, const std::string& prefix) {
 double accuracy(torch::nn::Sequential& net, const Split& test) {
   torch::NoGradGuard no_grad;
   net->eval();
+  const auto dtype = net->parameters().front().scalar_type();
   int64_t correct = 0;
   for (int64_t i = 0; i < test.images.size(0); i += 1000) {
     const auto logits =
-        net->forward(test.images.narrow(0, i, std::min<int64_t>(1000, test.images.size(0) - i)));
+        net->forward(test.images.narrow(0, i, std::min<int64_t>(1000, test.images.size(0) - i)).to(dtype));
     correct += logits.argmax(1).eq(test.labels.narrow(0, i, logits.size(0))).sum().item<int64_t>();
   }
   net->train();
@@ -77,6 +84,7 @@ struct Outcome {
   double accuracy = 0;
   int64_t state_bytes = 0;  ///< the optimizer's state tensors (memsave::optimizer_state_tensors)
   int64_t peak_bytes = 0;   ///< the highest step peak (memsave's meter)
+  int64_t model_bytes = 0;  ///< --compare bf16-weights: weights, gradients and state at that peak (the meter)
   double seconds = 0;       ///< training time
 };
 
@@ -113,6 +121,11 @@ std::optional<Optimizer> optimizer_named(const std::string& name) {
   return std::nullopt;
 }
 
+/// The learning rate of step `step` of `steps`: falling linearly from `peak` to 0.
+double falling_lr(double peak, int64_t step, int64_t steps) {
+  return peak * static_cast<double>(steps - step) / static_cast<double>(steps);
+}
+
 Outcome train(const Optimizer& optimizer, const memsave::Recipe& recipe, const Split& train_set,
               const Split& test, int epochs) {
   torch::manual_seed(0);
@@ -133,7 +146,7 @@ Outcome train(const Optimizer& optimizer, const memsave::Recipe& recipe, const S
     const auto order = torch::randperm(n, torch::kLong);
     for (int64_t i = 0; i + kBatch <= n; i += kBatch, ++step) {
       for (auto& group : trainer.optimizer().param_groups())
-        group.options().set_lr(peak_lr * static_cast<double>(steps - step) / static_cast<double>(steps));
+        group.options().set_lr(falling_lr(peak_lr, step, steps));
       const auto index = order.narrow(0, i, kBatch);
       const memsave::StepStats stats = trainer.step(train_set.images.index_select(0, index),
                                                     train_set.labels.index_select(0, index), loss);
@@ -150,12 +163,90 @@ Outcome train(const Optimizer& optimizer, const memsave::Recipe& recipe, const S
   return outcome;
 }
 
+/// `--compare bf16-weights`: a plain LibTorch loop over the model in `dtype`, with AdamW (lr 1e-3 falling to
+/// 0, weight decay 0.01): LibTorch's for fp32 weights, AdamW8bit for bf16 ones, rounding new weights to
+/// nearest or stochastically. The logits are cast to fp32 for the loss. State: the optimizer's bytes; peak:
+/// the meter's, over the steps.
+Outcome train_weights(torch::ScalarType dtype, bool stochastic, const std::string& label,
+                      const Split& train_set, const Split& test, int epochs) {
+  torch::manual_seed(0);
+  auto net = memsave::zoo::fashion_cnn();
+  net->to(dtype);
+  const double peak_lr = 1e-3;
+  std::unique_ptr<torch::optim::Optimizer> optimizer;
+  if (dtype == torch::kFloat) {
+    optimizer = std::make_unique<torch::optim::AdamW>(net->parameters(),
+                                                      torch::optim::AdamWOptions(peak_lr).weight_decay(1e-2));
+  } else {
+    optimizer = std::make_unique<memsave::optim::AdamW8bit>(
+        net->parameters(),
+        memsave::optim::AdamW8bitOptions(peak_lr).weight_decay(1e-2).bf16_stochastic_round(stochastic));
+  }
+  const int64_t n = train_set.images.size(0);
+  const int64_t steps = epochs * (n / kBatch);
+  int64_t step = 0;
+  Outcome outcome;
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    const auto order = torch::randperm(n, torch::kLong);
+    for (int64_t i = 0; i + kBatch <= n; i += kBatch, ++step) {
+      for (auto& group : optimizer->param_groups()) group.options().set_lr(falling_lr(peak_lr, step, steps));
+      const auto index = order.narrow(0, i, kBatch);
+      const auto start = std::chrono::steady_clock::now();
+      memsave::PeakScope scope(torch::kCPU);
+      optimizer->zero_grad();
+      const auto logits = net->forward(train_set.images.index_select(0, index).to(dtype));
+      torch::nn::functional::cross_entropy(logits.to(torch::kFloat), train_set.labels.index_select(0, index))
+          .backward();
+      optimizer->step();
+      if (scope.peak() > outcome.peak_bytes) {
+        outcome.peak_bytes = scope.peak();
+        const memsave::MemoryBreakdown parts =
+            memsave::breakdown(scope.peak(), net->parameters(), optimizer.get(), torch::kCPU);
+        outcome.model_bytes = parts.parameters + parts.gradients + parts.optimizer_state;
+      }
+      outcome.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
+    std::printf("  %-40s epoch %d: test accuracy %.2f%%\n", label.c_str(), epoch + 1, accuracy(net, test));
+    std::fflush(stdout);
+  }
+  for (const auto& t : memsave::optimizer_state_tensors(*optimizer))
+    outcome.state_bytes += t.numel() * t.element_size();
+  outcome.accuracy = accuracy(net, test);
+  return outcome;
+}
+
+/// Prints the three runs of `--compare bf16-weights`; 0 when the stochastic run is within `tolerance` of
+/// fp32.
+int compare_bf16_weights(const Split& train_set, const Split& test, int epochs, double tolerance) {
+  const Outcome base = train_weights(torch::kFloat, false, "fp32 weights, AdamW", train_set, test, epochs);
+  const Outcome nearest =
+      train_weights(torch::kBFloat16, false, "bf16 weights, AdamW8bit, nearest", train_set, test, epochs);
+  const Outcome stochastic =
+      train_weights(torch::kBFloat16, true, "bf16 weights, AdamW8bit, stochastic", train_set, test, epochs);
+  std::printf(
+      "test accuracy: fp32 weights %.2f%%; bf16 weights rounded to nearest %.2f%% (%+.2f points), "
+      "stochastically %.2f%% (%+.2f points, tolerance %.2f)\n",
+      base.accuracy, nearest.accuracy, nearest.accuracy - base.accuracy, stochastic.accuracy,
+      stochastic.accuracy - base.accuracy, tolerance);
+  std::printf("weights + gradients + optimizer state: %lld vs %lld bytes (%.2fx smaller)\n",
+              static_cast<long long>(base.model_bytes), static_cast<long long>(stochastic.model_bytes),
+              static_cast<double>(base.model_bytes) / static_cast<double>(stochastic.model_bytes));
+  std::printf(
+      "optimizer state: %lld vs %lld bytes; step peak: %s vs %s vs %s; time: %.1f vs %.1f vs %.1f s\n",
+      static_cast<long long>(base.state_bytes), static_cast<long long>(stochastic.state_bytes),
+      memsave::format_bytes(base.peak_bytes).c_str(), memsave::format_bytes(nearest.peak_bytes).c_str(),
+      memsave::format_bytes(stochastic.peak_bytes).c_str(), base.seconds, nearest.seconds,
+      stochastic.seconds);
+  return std::abs(stochastic.accuracy - base.accuracy) <= tolerance ? 0 : 1;
+}
+
 int usage() {
   std::fprintf(
       stderr,
       "usage: fashion_mnist [--epochs N >= 1] [--data DIR] [--limit IMAGES] [--tolerance POINTS]\n"
-      "                     [--optimizer adamw|sgd|lion] [--compare 8bit|bf16] [--micro-batch N]\n"
-      "                     [--amp bf16] [--checkpoint every|N] [--state-bits 32|8|4] [--max-grad-norm X]\n");
+      "                     [--optimizer adamw|sgd|lion] [--compare 8bit|bf16|bf16-weights]\n"
+      "                     [--micro-batch N] [--amp bf16] [--checkpoint every|N] [--state-bits 32|8|4]\n"
+      "                     [--max-grad-norm X]\n");
   return 2;
 }
 
@@ -169,6 +260,7 @@ int main(int argc, char** argv) {
   memsave::Recipe recipe;
   bool any_recipe = false;
   std::optional<Optimizer> optimizer = optimizer_named("adamw");
+  bool bf16_weights = false;
   try {
     for (int i = 1; i < argc; i += 2) {
       if (i + 1 >= argc) return usage();
@@ -188,6 +280,8 @@ int main(int argc, char** argv) {
         recipe.state_bits(8);
       } else if (flag == "--compare" && value == "bf16") {
         recipe.amp(torch::kBFloat16);
+      } else if (flag == "--compare" && value == "bf16-weights") {
+        bf16_weights = true;
       } else if (flag == "--micro-batch") {
         recipe.micro_batch(std::stoll(value));
       } else if (flag == "--amp" && value == "bf16") {
@@ -202,13 +296,18 @@ int main(int argc, char** argv) {
       } else {
         return usage();
       }
-      any_recipe = any_recipe || (flag != "--epochs" && flag != "--data" && flag != "--limit" &&
-                                  flag != "--tolerance" && flag != "--optimizer");
+      any_recipe = any_recipe ||
+                   (flag != "--epochs" && flag != "--data" && flag != "--limit" && flag != "--tolerance" &&
+                    flag != "--optimizer" && !(flag == "--compare" && value == "bf16-weights"));
     }
   } catch (const std::exception&) {
     return usage();
   }
   if (epochs < 1 || limit < 0) return usage();
+  if (bf16_weights && (any_recipe || optimizer->name != "adamw")) {
+    std::fprintf(stderr, "fashion_mnist: --compare bf16-weights takes no recipe and trains with AdamW\n");
+    return 2;
+  }
   if (optimizer->name == "lion" && recipe.state_bits() == 4) {
     std::fprintf(stderr, "fashion_mnist: Lion has no 4-bit state (memsave/optim.h says why)\n");
     return 2;
@@ -228,6 +327,7 @@ int main(int argc, char** argv) {
         "Fashion-MNIST: %lld training and %lld test images, %d epochs, batch 128, %s falling linearly to 0\n",
         static_cast<long long>(train_set.images.size(0)), static_cast<long long>(test.images.size(0)), epochs,
         optimizer->printed.c_str());
+    if (bf16_weights) return compare_bf16_weights(train_set, test, epochs, tolerance);
     std::printf("recipe: %s\n", recipe.to_cpp().c_str());
     const Outcome base = train(*optimizer, memsave::Recipe(), train_set, test, epochs);
     const Outcome other = train(*optimizer, recipe, train_set, test, epochs);

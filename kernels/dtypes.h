@@ -1,5 +1,5 @@
 // Storage types of parameters and gradients, and their exact conversions to and from float (round to nearest
-// even), the same on the host and on the device.
+// even, or for bf16 stochastically), the same on the host and on the device.
 #pragma once
 
 #include "host_device.h"
@@ -91,6 +91,39 @@ MEMSAVE_HD Float16 from_float<Float16>(float x) {
   }
   const std::uint32_t rounding = 0xfffu + ((magnitude >> 13) & 1u);
   return Float16{static_cast<std::uint16_t>(sign | ((magnitude - 0x38000000u + rounding) >> 13))};
+}
+
+/// MurmurHash3's 32-bit finalizer (Appleby): a bijection of 32-bit words in which every input bit flips each
+/// output bit with probability close to 1/2.
+MEMSAVE_HD std::uint32_t mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x85ebca6bu;
+  x ^= x >> 13;
+  x *= 0xc2b2ae35u;
+  x ^= x >> 16;
+  return x;
+}
+
+/// What rounding_bits takes of `seed` and of the upper 32 bits of `index`: the same for every index of a run
+/// of 2^32 (a loop computes it once).
+MEMSAVE_HD std::uint32_t rounding_key(std::uint32_t seed, std::int64_t index) {
+  return mix32(seed ^ static_cast<std::uint32_t>(static_cast<std::uint64_t>(index) >> 32));
+}
+
+/// The random bits of element `index` in a stochastic rounding keyed by `seed`: a hash of the two, not a
+/// generator's state, so they do not depend on which thread or device rounds the element, or in what order.
+MEMSAVE_HD std::uint32_t rounding_bits(std::uint32_t seed, std::int64_t index) {
+  return mix32(static_cast<std::uint32_t>(static_cast<std::uint64_t>(index)) ^ rounding_key(seed, index));
+}
+
+/// x rounded to bfloat16 stochastically: to the neighbour of larger magnitude with probability (the 16 bits
+/// that bf16 drops) / 2^16, else to the one of smaller magnitude, so the expected result is x. `random`'s low
+/// 16 bits decide. A value beyond the largest finite bf16 may round to infinity, as it may to nearest; NaN
+/// and infinity convert as from_float<BFloat16> converts them.
+MEMSAVE_HD BFloat16 from_float_stochastic(float x, std::uint32_t random) {
+  const std::uint32_t bits = to_bits(x);
+  if ((bits & 0x7f800000u) == 0x7f800000u) return from_float<BFloat16>(x);
+  return BFloat16{static_cast<std::uint16_t>((bits + (random & 0xffffu)) >> 16)};
 }
 
 }  // namespace memsave::kernels

@@ -23,20 +23,15 @@ struct MomentMax {
 
 template <Rule R, bool kMax>
 void update_half(Float16* param, const Float16* grad, float* m, float* v, std::int64_t n, StepScalars k,
-                 float scale, MomentMax& largest);
+                 float scale, MomentMax& largest, std::int64_t first);
 
-/// The update of n elements: parameters and gradients of storage type T, moments in floats (v unused by rules
-/// without a second moment). With kMax, also the largest magnitude of the new moments, in the same pass.
-template <typename T, Rule R, bool kMax = false>
-inline void update_run(T* __restrict param, const T* __restrict grad, float* __restrict m,
-                       float* __restrict v, std::int64_t n, const StepScalars k, float scale,
-                       MomentMax& largest) {
-#if defined(__AVX2__) || defined(__AVX512F__)
-  if constexpr (std::is_same_v<T, Float16>) {
-    update_half<R, kMax>(param, grad, m, v, n, k, scale, largest);
-    return;
-  }
-#endif
+/// update_run's loop. kStochastic: bf16 parameters rounded stochastically (store_param's rule without its
+/// branch per element), element i with the bits mix32((low + i) ^ key): rounding_bits of the tensor's element
+/// whose index has the low 32 bits low + i and the upper ones that `key` (rounding_key) was made from.
+template <typename T, Rule R, bool kMax, bool kStochastic>
+inline void update_loop(T* __restrict param, const T* __restrict grad, float* __restrict m,
+                        float* __restrict v, std::int64_t n, const StepScalars k, float scale,
+                        MomentMax& largest, std::uint32_t key, std::uint32_t low) {
   float unused_v = 0;
   std::uint32_t max_m = largest.m, max_v = largest.v;
   for (std::int64_t i = 0; i < n; ++i) {
@@ -44,7 +39,11 @@ inline void update_run(T* __restrict param, const T* __restrict grad, float* __r
     float mi = m[i];
     float& vi = has_second_moment(R) ? v[i] : unused_v;
     update<R>(p, to_float(grad[i]) * scale, mi, vi, k);
-    param[i] = from_float<T>(p);
+    if constexpr (kStochastic) {
+      param[i] = from_float_stochastic(p, mix32((low + static_cast<std::uint32_t>(i)) ^ key));
+    } else {
+      param[i] = from_float<T>(p);
+    }
     m[i] = mi;
     if constexpr (kMax) {
       max_m = std::max(max_m, magnitude_bits(mi));
@@ -52,6 +51,36 @@ inline void update_run(T* __restrict param, const T* __restrict grad, float* __r
     }
   }
   if constexpr (kMax) largest = {max_m, max_v};
+}
+
+/// The update of n elements, the first of them element `first` of its tensor: parameters and gradients of
+/// storage type T, moments in floats (v unused by rules without a second moment). With kMax, also the largest
+/// magnitude of the new moments, in the same pass.
+template <typename T, Rule R, bool kMax = false>
+inline void update_run(T* __restrict param, const T* __restrict grad, float* __restrict m,
+                       float* __restrict v, std::int64_t n, const StepScalars k, float scale,
+                       MomentMax& largest, std::int64_t first) {
+#if defined(__AVX2__) || defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, Float16>) {
+    update_half<R, kMax>(param, grad, m, v, n, k, scale, largest, first);
+    return;
+  }
+#endif
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (k.stochastic_round != 0) {
+      // in pieces whose indices share their upper 32 bits (one piece but in tensors of over 2^32 elements)
+      for (std::int64_t done = 0; done < n;) {
+        const std::int64_t at = first + done;
+        const std::int64_t count = std::min(n - done, ((at >> 32) + 1) * (std::int64_t{1} << 32) - at);
+        update_loop<T, R, kMax, true>(param + done, grad + done, m + done,
+                                      has_second_moment(R) ? v + done : nullptr, count, k, scale, largest,
+                                      rounding_key(k.round_seed, at), static_cast<std::uint32_t>(at));
+        done += count;
+      }
+      return;
+    }
+  }
+  update_loop<T, R, kMax, false>(param, grad, m, v, n, k, scale, largest, 0, 0);
 }
 
 /// n half-precision values -> floats: dtypes.h's to_float, but for a signaling NaN, which F16C makes quiet.
@@ -107,7 +136,7 @@ inline void narrow(const float* __restrict in, Float16* __restrict out, std::int
 /// conversions of bf16 but not those of fp16, so the values go through float buffers converted as above.
 template <Rule R, bool kMax>
 void update_half(Float16* param, const Float16* grad, float* m, float* v, std::int64_t n, StepScalars k,
-                 float scale, MomentMax& largest) {
+                 float scale, MomentMax& largest, std::int64_t first) {
   constexpr std::int64_t kChunk = 256;
   alignas(64) float p[kChunk];
   alignas(64) float g[kChunk];
@@ -116,7 +145,7 @@ void update_half(Float16* param, const Float16* grad, float* m, float* v, std::i
     widen(param + begin, p, count);
     widen(grad + begin, g, count);
     update_run<float, R, kMax>(p, g, m + begin, has_second_moment(R) ? v + begin : nullptr, count, k, scale,
-                               largest);
+                               largest, first + begin);
     narrow(p, param + begin, count);
   }
 }
@@ -125,8 +154,8 @@ template <typename T, Rule R>
 void step32_range(const Step32& s, std::int64_t begin, std::int64_t end) {
   MomentMax unused;
   update_run<T, R>(static_cast<T*>(s.param) + begin, static_cast<const T*>(s.grad) + begin, s.m + begin,
-                   has_second_moment(R) ? s.v + begin : nullptr, end - begin, s.scalars, s.grad_scale,
-                   unused);
+                   has_second_moment(R) ? s.v + begin : nullptr, end - begin, s.scalars, s.grad_scale, unused,
+                   begin);
 }
 
 #if defined(__AVX512VBMI__)
@@ -394,7 +423,7 @@ inline void step_quantized_block(const StepQuantized& s, std::int64_t block, con
   dequantize_block<Bits>(sb, s.m, offset, s.absmax_m[block], m, n, w.codes);
   if constexpr (kSecond) dequantize_block<Bits>(ub, s.v, offset, s.absmax_v[block], v, n, w.codes);
   MomentMax largest;
-  update_run<T, R, true>(param, grad, m, kSecond ? v : nullptr, n, k, scale, largest);
+  update_run<T, R, true>(param, grad, m, kSecond ? v : nullptr, n, k, scale, largest, offset);
   const float max_m = bits_to_float(largest.m);
   s.absmax_m[block] = max_m;
   quantize_block<Bits>(sb, m, block_scale(max_m), s.m, offset, n, w.codes);

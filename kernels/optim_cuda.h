@@ -24,7 +24,7 @@ struct CudaTensorStep {
 };
 
 /// NOTE: kernel arguments are limited to 4 KiB (before CUDA 12.1 and on older cards), so one launch takes at
-/// most kMaxLaunchTensors tensors (about 2.8 KiB of arguments); the launcher splits longer lists into several
+/// most kMaxLaunchTensors tensors (about 2.9 KiB of arguments); the launcher splits longer lists into several
 /// launches on the same stream.
 inline constexpr int kMaxLaunchTensors = 24;
 

@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, kLanes == 32 ? 3 : 2) step_quantized
           m[e] = sb.code[(mc[k] >> shift) & ((1 << Bits) - 1)] * absmax_m;
           if (kSecond) v[e] = ub.code[(vc[k] >> shift) & ((1 << Bits) - 1)] * absmax_v;
           update<R>(x, to_float(g[e]) * scale, m[e], v[e], s.scalars);
-          param[first + h] = from_float<T>(x);
+          param[first + h] = store_param<T>(x, s.scalars, offset + first + h);
           max_m = max(max_m, magnitude_bits(m[e]));
           max_v = max(max_v, magnitude_bits(v[e]));
         }
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kThreads) step32_kernel(const LaunchArgs a) {
       if (i < n) {
         float x = to_float(p[k]);
         update<R>(x, to_float(g[k]) * scale, m[k], v[k], s.scalars);
-        param[i] = from_float<T>(x);
+        param[i] = store_param<T>(x, s.scalars, offset + i);
         mp[i] = m[k];
         if (kSecond) vp[i] = v[k];
       }

@@ -7,10 +7,12 @@
 // root, so a CPU step and a CUDA step give bit-identical results.
 #pragma once
 
+#include "dtypes.h"
 #include "host_device.h"
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace memsave::kernels {
 
@@ -36,6 +38,10 @@ struct StepScalars {
   float bias2_sqrt = 1;         ///< Adam: sqrt(1 - beta2^t)
   std::int32_t nesterov = 0;    ///< SGD
   std::int32_t first_step = 0;  ///< SGD: the momentum buffer starts as the gradient
+  /// bf16 parameters: round each new value stochastically (from_float_stochastic) instead of to nearest,
+  /// with the random bits rounding_bits(round_seed, element index). Other storage types ignore it.
+  std::int32_t stochastic_round = 0;
+  std::uint32_t round_seed = 0;
 };
 
 /// Computes the scalars of one step (t >= 1).
@@ -62,6 +68,23 @@ inline StepScalars make_step_scalars(Rule rule, double lr, double beta1, double 
   s.nesterov = nesterov ? 1 : 0;
   s.first_step = t == 1 ? 1 : 0;
   return s;
+}
+
+/// The key of the stochastic rounding of a tensor's step `step` (its own count, >= 1), for the tensor at
+/// `position` in its optimizer: every step and every tensor rounds with other random bits, and a run repeated
+/// (or resumed from a saved state) rounds with the same ones.
+inline std::uint32_t stochastic_round_seed(std::int64_t step, std::int64_t position) {
+  return rounding_bits(rounding_bits(0x9e3779b9u, position), step);
+}
+
+/// A new parameter value as storage type T: rounded to nearest, or for bf16 with s.stochastic_round
+/// stochastically, with the random bits of element `index` of its tensor.
+template <typename T>
+MEMSAVE_HD T store_param(float p, const StepScalars& s, std::int64_t index) {
+  if constexpr (std::is_same_v<T, BFloat16>) {
+    if (s.stochastic_round != 0) return from_float_stochastic(p, rounding_bits(s.round_seed, index));
+  }
+  return from_float<T>(p);
 }
 
 /// One element: parameter p, gradient g (already unscaled), first moment m, second moment v (Adam only).

@@ -34,6 +34,7 @@ namespace {
 namespace k = memsave::kernels;
 using memsave::detail::read_betas;
 using memsave::detail::read_bool;
+using memsave::detail::read_bool_or;
 using memsave::detail::read_double;
 using memsave::detail::read_int;
 using memsave::detail::write_betas;
@@ -150,6 +151,11 @@ void read_min_size(InputArchive& archive, Options& o) {
   }
 }
 
+/// Files written before the option existed round to nearest.
+bool read_stochastic_round(InputArchive& archive) {
+  return read_bool_or(archive, "bf16_stochastic_round", false);
+}
+
 template <typename Options>
 void write_adam(OutputArchive& archive, const Options& o) {
   archive.write("lr", o.lr());
@@ -158,6 +164,7 @@ void write_adam(OutputArchive& archive, const Options& o) {
   archive.write("weight_decay", o.weight_decay());
   archive.write("block_size", o.block_size());
   archive.write(kMinSizeKey<Options>, min_size(o));
+  archive.write("bf16_stochastic_round", o.bf16_stochastic_round());
 }
 
 template <typename Options>
@@ -165,13 +172,14 @@ void read_adam(InputArchive& archive, Options& o) {
   o.lr(read_double(archive, "lr")).betas(read_betas(archive)).eps(read_double(archive, "eps"));
   o.weight_decay(read_double(archive, "weight_decay")).block_size(read_int(archive, "block_size"));
   read_min_size(archive, o);
+  o.bf16_stochastic_round(read_stochastic_round(archive));
 }
 
 template <typename Options>
 bool same_adam(const Options& a, const Options& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.eps() == b.eps() &&
          a.weight_decay() == b.weight_decay() && a.block_size() == b.block_size() &&
-         min_size(a) == min_size(b);
+         min_size(a) == min_size(b) && a.bf16_stochastic_round() == b.bf16_stochastic_round();
 }
 
 /// A group's options as the optimizer's own type. A group given another optimizer's options (LibTorch's
@@ -190,6 +198,7 @@ Hyper adam_hyper(const Options& o) {
   Hyper h;
   h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas()), h.eps = o.eps();
   h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = min_size(o);
+  h.stochastic_round = o.bf16_stochastic_round();
   return h;
 }
 
@@ -218,6 +227,7 @@ void write_sgd(OutputArchive& archive, const Options& o) {
   archive.write("nesterov", o.nesterov());
   archive.write("block_size", o.block_size());
   archive.write(kMinSizeKey<Options>, min_size(o));
+  archive.write("bf16_stochastic_round", o.bf16_stochastic_round());
 }
 
 template <typename Options>
@@ -226,13 +236,15 @@ void read_sgd(InputArchive& archive, Options& o) {
   o.dampening(read_double(archive, "dampening")).weight_decay(read_double(archive, "weight_decay"));
   o.nesterov(read_bool(archive, "nesterov")).block_size(read_int(archive, "block_size"));
   read_min_size(archive, o);
+  o.bf16_stochastic_round(read_stochastic_round(archive));
 }
 
 template <typename Options>
 bool same_sgd(const Options& a, const Options& b) {
   return a.lr() == b.lr() && a.momentum() == b.momentum() && a.dampening() == b.dampening() &&
          a.weight_decay() == b.weight_decay() && a.nesterov() == b.nesterov() &&
-         a.block_size() == b.block_size() && min_size(a) == min_size(b);
+         a.block_size() == b.block_size() && min_size(a) == min_size(b) &&
+         a.bf16_stochastic_round() == b.bf16_stochastic_round();
 }
 
 template <typename Hyper, typename Options>
@@ -240,6 +252,7 @@ Hyper sgd_hyper(const Options& o) {
   Hyper h;
   h.lr = o.lr(), h.beta1 = o.momentum(), h.dampening = o.dampening(), h.nesterov = o.nesterov();
   h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = min_size(o);
+  h.stochastic_round = o.bf16_stochastic_round();
   return h;
 }
 
@@ -249,16 +262,19 @@ void Lion8bitOptions::serialize(OutputArchive& archive) const {
   archive.write("weight_decay", weight_decay());
   archive.write("block_size", block_size());
   archive.write("min_8bit_size", min_8bit_size());
+  archive.write("bf16_stochastic_round", bf16_stochastic_round());
 }
 void Lion8bitOptions::serialize(InputArchive& archive) {
   lr(read_double(archive, "lr"))
       .betas(read_betas(archive))
       .weight_decay(read_double(archive, "weight_decay"));
   block_size(read_int(archive, "block_size")).min_8bit_size(read_int(archive, "min_8bit_size"));
+  bf16_stochastic_round(read_stochastic_round(archive));
 }
 bool operator==(const Lion8bitOptions& a, const Lion8bitOptions& b) {
   return a.lr() == b.lr() && a.betas() == b.betas() && a.weight_decay() == b.weight_decay() &&
-         a.block_size() == b.block_size() && a.min_8bit_size() == b.min_8bit_size();
+         a.block_size() == b.block_size() && a.min_8bit_size() == b.min_8bit_size() &&
+         a.bf16_stochastic_round() == b.bf16_stochastic_round();
 }
 
 void SGD8bitOptions::serialize(OutputArchive& archive) const { write_sgd(archive, *this); }
@@ -372,6 +388,7 @@ struct Work {
   QuantizedParamState* state = nullptr;
   std::unique_ptr<QuantizedParamState> fresh;
   size_t group = 0;
+  int64_t position = 0;  // in the optimizer's parameters, over all groups: keys its stochastic rounding
 };
 
 }  // namespace
@@ -398,12 +415,14 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
   check_parameters(param_groups_, name);  // again: add_param_group may have added to them since
   std::vector<Hyper> hypers;
   std::vector<Work> work;
+  int64_t position = -1;  // of the parameter in the optimizer, over all groups
   for (size_t gi = 0; gi < param_groups_.size(); ++gi) {
     const auto& group = param_groups_[gi];
     hypers.push_back(hyper(group.options()));
     check(hypers.back(), kind_);
     std::optional<torch::Device> device;
     for (const auto& p : group.params()) {
+      ++position;
       const torch::Tensor& g = p.grad();
       if (!g.defined()) continue;
       TORCH_CHECK(!g.is_sparse(), name, ": sparse gradients are not supported");
@@ -421,6 +440,7 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
       Work w;
       w.original = p;
       w.group = gi;
+      w.position = position;
       const auto it = state_.find(p.unsafeGetTensorImpl());
       if (it != state_.end()) {
         w.state = static_cast<QuantizedParamState*>(it->second.get());
@@ -491,8 +511,12 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
     QuantizedParamState& s = *w.state;
     s.step(s.step() + 1);
     const k::Rule rule = static_cast<k::Rule>(kind_);
-    const k::StepScalars scalars = k::make_step_scalars(rule, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                                                        s.step(), h.nesterov, h.dampening);
+    k::StepScalars scalars = k::make_step_scalars(rule, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
+                                                  s.step(), h.nesterov, h.dampening);
+    if (h.stochastic_round && w.param.scalar_type() == torch::kBFloat16) {
+      scalars.stochastic_round = 1;
+      scalars.round_seed = k::stochastic_round_seed(s.step(), w.position);
+    }
     detail::TensorStep t{w.param, w.grad, &s, rule, scalars, {}};
     if (inv_scale.defined()) t.inv_scale = inv_scales.at(w.param.device());
     if (w.param.is_cuda()) {
@@ -741,6 +765,7 @@ LowBitOptimizer::Hyper Lion8bit::hyper(const torch::optim::OptimizerOptions& opt
   Hyper h;
   h.lr = o.lr(), h.beta1 = std::get<0>(o.betas()), h.beta2 = std::get<1>(o.betas());
   h.weight_decay = o.weight_decay(), h.block_size = o.block_size(), h.min_quantized_size = o.min_8bit_size();
+  h.stochastic_round = o.bf16_stochastic_round();
   return h;
 }
 

@@ -734,41 +734,163 @@ TEST(Lion, MovesEveryCoordinateByTheLearningRate) {
 }
 
 /// One of the optimizers (0 Adam, 1 AdamW, 2 Lion, 3 SGD, 8-bit; 4 Adam, 5 AdamW, 6 SGD, 4-bit) over
-/// `params`, with weight decay, blocks of `block` elements and quantized state from `min_8bit` elements.
+/// `params`, with weight decay, blocks of `block` elements, quantized state from `min_8bit` elements and bf16
+/// parameters rounded stochastically or not.
 std::unique_ptr<torch::optim::Optimizer> optimizer_of_rule(int rule, const std::vector<torch::Tensor>& params,
-                                                           int64_t block, int64_t min_8bit) {
+                                                           int64_t block, int64_t min_8bit,
+                                                           bool stochastic = false) {
   switch (rule) {
     case 0:
-      return std::make_unique<Adam8bit>(
-          params, Adam8bitOptions(1e-3).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+      return std::make_unique<Adam8bit>(params, Adam8bitOptions(1e-3)
+                                                    .weight_decay(0.1)
+                                                    .block_size(block)
+                                                    .min_8bit_size(min_8bit)
+                                                    .bf16_stochastic_round(stochastic));
     case 1:
-      return std::make_unique<AdamW8bit>(params,
-                                         AdamW8bitOptions(1e-3).block_size(block).min_8bit_size(min_8bit));
+      return std::make_unique<AdamW8bit>(
+          params,
+          AdamW8bitOptions(1e-3).block_size(block).min_8bit_size(min_8bit).bf16_stochastic_round(stochastic));
     case 4:
-      return std::make_unique<Adam4bit>(
-          params, Adam4bitOptions(1e-3).weight_decay(0.1).block_size(block).min_4bit_size(min_8bit));
+      return std::make_unique<Adam4bit>(params, Adam4bitOptions(1e-3)
+                                                    .weight_decay(0.1)
+                                                    .block_size(block)
+                                                    .min_4bit_size(min_8bit)
+                                                    .bf16_stochastic_round(stochastic));
     case 5:
-      return std::make_unique<AdamW4bit>(params,
-                                         AdamW4bitOptions(1e-3).block_size(block).min_4bit_size(min_8bit));
+      return std::make_unique<AdamW4bit>(
+          params,
+          AdamW4bitOptions(1e-3).block_size(block).min_4bit_size(min_8bit).bf16_stochastic_round(stochastic));
     case 2:
-      return std::make_unique<Lion8bit>(
-          params, Lion8bitOptions(1e-4).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+      return std::make_unique<Lion8bit>(params, Lion8bitOptions(1e-4)
+                                                    .weight_decay(0.1)
+                                                    .block_size(block)
+                                                    .min_8bit_size(min_8bit)
+                                                    .bf16_stochastic_round(stochastic));
     case 6:
-      return std::make_unique<SGD4bit>(
-          params,
-          SGD4bitOptions(1e-2).nesterov(true).weight_decay(0.1).block_size(block).min_4bit_size(min_8bit));
+      return std::make_unique<SGD4bit>(params, SGD4bitOptions(1e-2)
+                                                   .nesterov(true)
+                                                   .weight_decay(0.1)
+                                                   .block_size(block)
+                                                   .min_4bit_size(min_8bit)
+                                                   .bf16_stochastic_round(stochastic));
     default:
-      return std::make_unique<SGD8bit>(
-          params,
-          SGD8bitOptions(1e-2).nesterov(true).weight_decay(0.1).block_size(block).min_8bit_size(min_8bit));
+      return std::make_unique<SGD8bit>(params, SGD8bitOptions(1e-2)
+                                                   .nesterov(true)
+                                                   .weight_decay(0.1)
+                                                   .block_size(block)
+                                                   .min_8bit_size(min_8bit)
+                                                   .bf16_stochastic_round(stochastic));
+  }
+}
+
+TEST(StochasticRounding, KeepsBf16UpdatesSmallerThanHalfABf16Step) {
+  // bf16 parameters at 1.0, where bf16 steps down by 2^-8: an AdamW step of lr = 1e-3 (a constant gradient
+  // makes every Adam update lr) is a quarter of that, so rounding to nearest puts each parameter back at 1.0
+  // every time; stochastic rounding moves it by 1e-3 on average. The reference: LibTorch's AdamW on fp32.
+  const int64_t n = 8192;
+  const int steps = 300;
+  auto nearest = torch::ones({n}, torch::kBFloat16).requires_grad_();
+  auto stochastic = torch::ones({n}, torch::kBFloat16).requires_grad_();
+  auto fp32 = torch::ones({n}).requires_grad_();
+  AdamW8bit a(std::vector<torch::Tensor>{nearest}, AdamW8bitOptions(1e-3).weight_decay(0));
+  AdamW8bit b(std::vector<torch::Tensor>{stochastic},
+              AdamW8bitOptions(1e-3).weight_decay(0).bf16_stochastic_round(true));
+  torch::optim::AdamW reference(std::vector<torch::Tensor>{fp32},
+                                torch::optim::AdamWOptions(1e-3).weight_decay(0));
+  for (int t = 0; t < steps; ++t) {
+    nearest.mutable_grad() = torch::ones_like(nearest);
+    stochastic.mutable_grad() = torch::ones_like(stochastic);
+    fp32.mutable_grad() = torch::ones_like(fp32);
+    a.step();
+    b.step();
+    reference.step();
+  }
+  const double expected = fp32.detach()[0].item<double>();
+  ASSERT_NEAR(expected, 1.0 - 1e-3 * steps, 1e-4);
+  EXPECT_TRUE(torch::equal(nearest.detach(), torch::ones_like(nearest))) << "to nearest, nothing moves";
+  // Each element is the fp32 value plus a sum of 300 independent rounding errors of mean 0, each within one
+  // bf16 step (2^-8 below 1): about 0.03 apart per element, 0.0004 on the mean of 8192.
+  const auto values = stochastic.detach().to(torch::kDouble);
+  EXPECT_NEAR(values.mean().item<double>(), expected, 0.003);
+  EXPECT_LT((values - expected).abs().max().item<double>(), 0.2);
+  EXPECT_GT(values.std().item<double>(), 0.005) << "each element rounds with its own random bits";
+}
+
+TEST(StochasticRounding, IsReproducibleAndResumesFromASavedStateWithTheSameBits) {
+  torch::manual_seed(3);
+  const auto start = torch::randn({5000}).to(torch::kBFloat16);
+  const auto small = torch::randn({300}).to(torch::kBFloat16);  // fp32 state
+  std::vector<torch::Tensor> grads;
+  for (int t = 0; t < 6; ++t) grads.push_back(torch::randn({5000}).to(torch::kBFloat16) * 1e-2);
+  auto run = [&](torch::Tensor& p, torch::Tensor& q, LowBitOptimizer& opt, int from, int to) {
+    for (int t = from; t < to; ++t) {
+      p.mutable_grad() = grads[t];
+      q.mutable_grad() = grads[t].slice(0, 0, 300);
+      opt.step();
+    }
+  };
+  const auto options = Adam8bitOptions(1e-3).weight_decay(0.01).bf16_stochastic_round(true);
+  auto p = start.clone().requires_grad_(), q = small.clone().requires_grad_();
+  Adam8bit a(std::vector<torch::Tensor>{p, q}, options);
+  run(p, q, a, 0, 3);
+  const std::string saved = saved_bytes(a);
+  const auto p3 = p.detach().clone(), q3 = q.detach().clone();
+  run(p, q, a, 3, 6);
+  // the same run again: the same bits
+  auto p_again = start.clone().requires_grad_(), q_again = small.clone().requires_grad_();
+  Adam8bit again(std::vector<torch::Tensor>{p_again, q_again}, options);
+  run(p_again, q_again, again, 0, 6);
+  EXPECT_TRUE(torch::equal(p_again.detach(), p.detach()));
+  EXPECT_TRUE(torch::equal(q_again.detach(), q.detach()));
+  // resumed from step 3 by an optimizer made without the option: it comes back with the file
+  auto p_resumed = p3.clone().requires_grad_(), q_resumed = q3.clone().requires_grad_();
+  Adam8bit resumed(std::vector<torch::Tensor>{p_resumed, q_resumed},
+                   Adam8bitOptions(1e-3).weight_decay(0.01));
+  load(resumed, saved);
+  EXPECT_TRUE(
+      static_cast<const Adam8bitOptions&>(resumed.param_groups()[0].options()).bf16_stochastic_round());
+  run(p_resumed, q_resumed, resumed, 3, 6);
+  EXPECT_TRUE(torch::equal(p_resumed.detach(), p.detach()));
+  EXPECT_TRUE(torch::equal(q_resumed.detach(), q.detach()));
+  // and it did round stochastically: to nearest the same steps end elsewhere
+  auto p_nearest = start.clone().requires_grad_(), q_nearest = small.clone().requires_grad_();
+  Adam8bit nearest(std::vector<torch::Tensor>{p_nearest, q_nearest},
+                   Adam8bitOptions(1e-3).weight_decay(0.01));
+  run(p_nearest, q_nearest, nearest, 0, 6);
+  EXPECT_FALSE(torch::equal(p_nearest.detach(), p.detach()));
+  EXPECT_FALSE(torch::equal(q_nearest.detach(), q.detach()));
+}
+
+TEST(StochasticRounding, LeavesFloat32AndFloat16ParametersRoundingAsBefore) {
+  for (const auto dtype : {torch::kFloat, torch::kHalf}) {
+    for (const int rule : {1, 2, 5, 3}) {  // AdamW, Lion 8-bit, AdamW 4-bit, SGD 8-bit
+      torch::manual_seed(4);
+      const auto start = torch::randn({4096 + 33}).to(dtype);
+      auto with = start.clone().requires_grad_(), without = start.clone().requires_grad_();
+      const auto a = optimizer_of_rule(rule, {with}, 256, 4096, /*stochastic=*/true);
+      const auto b = optimizer_of_rule(rule, {without}, 256, 4096, /*stochastic=*/false);
+      for (int t = 0; t < 3; ++t) {
+        const auto g = torch::randn_like(start);
+        with.mutable_grad() = g;
+        without.mutable_grad() = g;
+        a->step();
+        b->step();
+      }
+      EXPECT_TRUE(torch::equal(with.detach(), without.detach())) << dtype << ", rule " << rule;
+    }
   }
 }
 
 TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   // every rule and storage type, 8-bit and 4-bit, blocks stepped by one warp (64, 256) and by a whole thread
-  // block (2048), and fp32 state; tensors whose ends are partial blocks (an odd number of elements)
-  for (const auto dtype : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+  // block (2048), and fp32 state; tensors whose ends are partial blocks (an odd number of elements); bf16
+  // parameters rounded to nearest and stochastically
+  for (const auto& [dtype, stochastic] :
+       std::vector<std::pair<torch::ScalarType, bool>>{{torch::kFloat, false},
+                                                       {torch::kBFloat16, false},
+                                                       {torch::kBFloat16, true},
+                                                       {torch::kHalf, false}}) {
     for (const int64_t block : {64, 256, 2048}) {
       for (const int64_t min_8bit : {int64_t{4096}, int64_t{1} << 40}) {
         torch::manual_seed(5);
@@ -776,8 +898,8 @@ TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
         for (int rule = 0; rule < 7; ++rule) {
           auto cpu = big.clone().requires_grad_(), cpu_small = small.clone().requires_grad_();
           auto gpu = big.cuda().requires_grad_(), gpu_small = small.cuda().requires_grad_();
-          const auto a = optimizer_of_rule(rule, {cpu, cpu_small}, block, min_8bit);
-          const auto b = optimizer_of_rule(rule, {gpu, gpu_small}, block, min_8bit);
+          const auto a = optimizer_of_rule(rule, {cpu, cpu_small}, block, min_8bit, stochastic);
+          const auto b = optimizer_of_rule(rule, {gpu, gpu_small}, block, min_8bit, stochastic);
           for (int t = 0; t < 5; ++t) {
             const auto g = torch::randn_like(cpu), gs = torch::randn_like(cpu_small);
             cpu.mutable_grad() = g;
@@ -787,7 +909,8 @@ TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
             a->step();
             b->step();
           }
-          const std::string where = "dtype " + std::string(c10::toString(dtype)) + ", block " +
+          const std::string where = "dtype " + std::string(c10::toString(dtype)) +
+                                    (stochastic ? " rounded stochastically" : "") + ", block " +
                                     std::to_string(block) + ", 8-bit from " + std::to_string(min_8bit) +
                                     ", rule " + std::to_string(rule);
           EXPECT_TRUE(torch::equal(cpu.detach(), gpu.detach().cpu())) << where;
@@ -803,10 +926,10 @@ TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
 
 TEST(Threads, EveryCpuPathGivesTheSameBitsOnOneIntraOpThreadAsOnSeveral) {
   // memsave's CPU paths split their work between LibTorch's intra-op threads: the quantized and the
-  // fp32-state steps (with the GradScaler's unscale fused in), the GradScaler's inf check, reading the state
-  // back, and copy_state's quantization. Each block is one thread's, so the bits must not depend on how many
-  // there are. ctest runs the other tests on one thread; here each path runs on 1 and on 3 over tensors of
-  // many chunks.
+  // fp32-state steps (with the GradScaler's unscale fused in; bf16 parameters rounded stochastically), the
+  // GradScaler's inf check, reading the state back, and copy_state's quantization. Each block is one
+  // thread's, so the bits must not depend on how many there are. ctest runs the other tests on one thread;
+  // here each path runs on 1 and on 3 over tensors of many chunks.
   const int64_t n = (1 << 20) + 1000;  // 32 chunks of the 8-bit step's, and a partial block at the end
   auto run = [n](int threads) {
     memsave::testing::IntraOpThreads scope(threads);
@@ -815,12 +938,15 @@ TEST(Threads, EveryCpuPathGivesTheSameBitsOnOneIntraOpThreadAsOnSeveral) {
     std::vector<torch::Tensor> out;
     std::vector<std::unique_ptr<LowBitOptimizer>> made;
     auto p8 = torch::randn({n}).requires_grad_(), p4 = torch::randn({n}).requires_grad_(),
-         p32 = torch::randn({n}).requires_grad_();
+         p32 = torch::randn({n}).requires_grad_(), pbf = torch::randn({n}, torch::kBFloat16).requires_grad_();
     made.push_back(std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{p8}));
     made.push_back(std::make_unique<AdamW4bit>(std::vector<torch::Tensor>{p4}));
     made.push_back(std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{p32},
                                                AdamW8bitOptions().min_8bit_size(int64_t{1} << 40)));
-    const std::vector<torch::Tensor> params = {p8, p4, p32};
+    // bf16 parameters rounded stochastically: each element's random bits follow its index, not its thread
+    made.push_back(std::make_unique<AdamW8bit>(std::vector<torch::Tensor>{pbf},
+                                               AdamW8bitOptions().bf16_stochastic_round(true)));
+    const std::vector<torch::Tensor> params = {p8, p4, p32, pbf};
     for (size_t i = 0; i < made.size(); ++i) {
       // The unscale fused into the step, after the read-only inf check (the default on CUDA).
       amp::GradScaler scaler(

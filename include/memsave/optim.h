@@ -64,6 +64,12 @@ struct Adam8bitOptions : torch::optim::OptimizerCloneableOptions<Adam8bitOptions
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -87,6 +93,12 @@ struct AdamW8bitOptions : torch::optim::OptimizerCloneableOptions<AdamW8bitOptio
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -108,6 +120,12 @@ struct Lion8bitOptions : torch::optim::OptimizerCloneableOptions<Lion8bitOptions
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -133,6 +151,12 @@ struct SGD8bitOptions : torch::optim::OptimizerCloneableOptions<SGD8bitOptions> 
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -156,6 +180,12 @@ struct Adam4bitOptions : torch::optim::OptimizerCloneableOptions<Adam4bitOptions
   TORCH_ARG(int64_t, block_size) = 128;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_4bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -179,6 +209,12 @@ struct AdamW4bitOptions : torch::optim::OptimizerCloneableOptions<AdamW4bitOptio
   TORCH_ARG(int64_t, block_size) = 128;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_4bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -204,6 +240,12 @@ struct SGD4bitOptions : torch::optim::OptimizerCloneableOptions<SGD4bitOptions> 
   TORCH_ARG(int64_t, block_size) = 128;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_4bit_size) = 4096;
+  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
+  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
+  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
+  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
+  /// of other dtypes round as they do without it.
+  TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
   void serialize(torch::serialize::InputArchive& archive) override;
@@ -276,7 +318,7 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// One group's hyper-parameters in a common form.
   struct Hyper {
     double lr = 0, beta1 = 0, beta2 = 0, eps = 0, weight_decay = 0, dampening = 0;
-    bool nesterov = false;
+    bool nesterov = false, stochastic_round = false;
     int64_t block_size = 256, min_quantized_size = 4096;
   };
   enum class Kind : int32_t { kAdam = 0, kAdamW = 1, kLion = 2, kSgd = 3 };

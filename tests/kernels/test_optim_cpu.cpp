@@ -508,12 +508,15 @@ std::vector<T> storage_values(std::int64_t n, float scale, unsigned seed) {
 
 /// A half-precision step (state of `bits`, 32 for fp32 state; blocks of `block`) against the fp32-storage
 /// step on the same values, which the other tests hold to the specification: the parameters must be those
-/// values rounded, the state the same bits.
+/// values rounded (to nearest, or with `stochastic` as from_float_stochastic rounds them with each element's
+/// rounding_bits, which the fp32 step ignores), the state the same bits. With `stochastic` the half-precision
+/// step runs in two calls split inside a block (as threads split it), so each element's bits must follow
+/// its index in the tensor, not in the call.
 template <typename T, Rule R>
-void expect_storage_steps_as_floats(int bits, std::int64_t block) {
+void expect_storage_steps_as_floats(int bits, std::int64_t block, bool stochastic = false) {
   SCOPED_TRACE(std::string(std::is_same_v<T, Float16> ? "fp16" : "bf16") + ", rule " +
                std::to_string(static_cast<int>(R)) + ", state bits " + std::to_string(bits) + ", blocks of " +
-               std::to_string(block));
+               std::to_string(block) + (stochastic ? ", stochastic rounding" : ""));
   const DType dtype = std::is_same_v<T, Float16> ? DType::kFloat16 : DType::kBFloat16;
   constexpr std::int64_t n = 3 * 256 + 37;  // past a 256-element staging chunk, with tails
   std::vector<T> p16 = storage_values<T>(n, 1.0f, 5);
@@ -525,9 +528,15 @@ void expect_storage_steps_as_floats(int bits, std::int64_t block) {
     const std::vector<T> g16 = storage_values<T>(n, 1e-2f, 10u + static_cast<unsigned>(t));
     std::vector<float> g32(n);
     for (std::int64_t i = 0; i < n; ++i) g32[i] = to_float(g16[i]);
-    const StepScalars k = make_step_scalars(R, 1e-3, 0.9, 0.999, 1e-8, 0.01, t);
+    StepScalars k = make_step_scalars(R, 1e-3, 0.9, 0.999, 1e-8, 0.01, t);
+    k.stochastic_round = stochastic ? 1 : 0;
+    k.round_seed = stochastic_round_seed(t, 3);
+    const std::int64_t blocks = (n + block - 1) / block, split = stochastic ? blocks / 2 : blocks;
     if (bits == 32) {
-      step32_cpu(Step32{p16.data(), g16.data(), dtype, m16.data(), v16.data(), n, R, k, 0.5f}, 0, n);
+      const Step32 s16{p16.data(), g16.data(), dtype, m16.data(), v16.data(), n, R, k, 0.5f};
+      const std::int64_t cut = stochastic ? split * block - 13 : n;
+      step32_cpu(s16, 0, cut);
+      step32_cpu(s16, cut, n);
       step32_cpu(Step32{p32.data(), g32.data(), DType::kFloat32, m32.data(), v32.data(), n, R, k, 0.5f}, 0,
                  n);
       ASSERT_EQ(std::memcmp(m16.data(), m32.data(), n * sizeof(float)), 0) << "first moments, step " << t;
@@ -538,8 +547,9 @@ void expect_storage_steps_as_floats(int bits, std::int64_t block) {
       s16.grad = g16.data();
       s16.dtype = dtype;
       const StepQuantized s32 = q32.step(p32.data(), g32.data(), n, block, R, k);
-      step_quantized_cpu(s16, 0, (n + block - 1) / block);
-      step_quantized_cpu(s32, 0, (n + block - 1) / block);
+      step_quantized_cpu(s16, 0, split);
+      step_quantized_cpu(s16, split, blocks);
+      step_quantized_cpu(s32, 0, blocks);
       ASSERT_EQ(q16.m, q32.m) << "first-moment codes, step " << t;
       ASSERT_EQ(q16.v, q32.v) << "second-moment codes, step " << t;
       ASSERT_EQ(std::memcmp(q16.absmax_m.data(), q32.absmax_m.data(), q16.absmax_m.size() * sizeof(float)),
@@ -548,7 +558,11 @@ void expect_storage_steps_as_floats(int bits, std::int64_t block) {
                 0);
     }
     for (std::int64_t i = 0; i < n; ++i) {
-      ASSERT_EQ(p16[i].bits, from_float<T>(p32[i]).bits)
+      std::uint16_t expected = from_float<T>(p32[i]).bits;
+      if constexpr (std::is_same_v<T, BFloat16>) {
+        if (stochastic) expected = from_float_stochastic(p32[i], rounding_bits(k.round_seed, i)).bits;
+      }
+      ASSERT_EQ(p16[i].bits, expected)
           << "parameter " << i << " at step " << t << " (" << cpu_kernel_isa() << ")";
       p32[i] = to_float(p16[i]);  // both runs go on from the stored value
     }
@@ -556,11 +570,11 @@ void expect_storage_steps_as_floats(int bits, std::int64_t block) {
 }
 
 template <typename T>
-void expect_storage_steps_as_floats_for_every_rule(int bits, std::int64_t block) {
-  expect_storage_steps_as_floats<T, Rule::kAdamW>(bits, block);
-  expect_storage_steps_as_floats<T, Rule::kAdam>(bits, block);
-  expect_storage_steps_as_floats<T, Rule::kLion>(bits, block);
-  expect_storage_steps_as_floats<T, Rule::kSgd>(bits, block);
+void expect_storage_steps_as_floats_for_every_rule(int bits, std::int64_t block, bool stochastic = false) {
+  expect_storage_steps_as_floats<T, Rule::kAdamW>(bits, block, stochastic);
+  expect_storage_steps_as_floats<T, Rule::kAdam>(bits, block, stochastic);
+  expect_storage_steps_as_floats<T, Rule::kLion>(bits, block, stochastic);
+  expect_storage_steps_as_floats<T, Rule::kSgd>(bits, block, stochastic);
 }
 
 TEST(StepKernels, HalfAndBFloat16StorageStepsAsItsFloatValues) {
@@ -573,6 +587,60 @@ TEST(StepKernels, HalfAndBFloat16StorageStepsAsItsFloatValues) {
     expect_storage_steps_as_floats_for_every_rule<Float16>(bits, 1024);
     expect_storage_steps_as_floats_for_every_rule<BFloat16>(bits, 1024);
   }
+}
+
+TEST(StepKernels, BFloat16StochasticRoundingRoundsTheFloatStepWithEachElementsBits) {
+  for (const int bits : {32, 8, 4}) {
+    expect_storage_steps_as_floats_for_every_rule<BFloat16>(bits, 128, /*stochastic=*/true);
+  }
+  expect_storage_steps_as_floats_for_every_rule<BFloat16>(8, 1024, /*stochastic=*/true);
+  // fp16 has no stochastic rounding: the flag leaves it rounding to nearest
+  expect_storage_steps_as_floats_for_every_rule<Float16>(32, 128, /*stochastic=*/true);
+  expect_storage_steps_as_floats_for_every_rule<Float16>(8, 128, /*stochastic=*/true);
+}
+
+TEST(StepKernels, BFloat16StochasticRoundingKeysEachElementByItsWholeIndex) {
+  // Elements 2^32 - 300 ... 2^32 + 299 of a tensor of over 2^32 elements, stepped as a thread steps its
+  // range: the bits must follow the 64-bit index across the 2^32 boundary, where the kernel changes its key.
+  // (The tensor's other elements do not exist: the step gets a base pointer that only this range is read
+  // through.)
+  const std::int64_t first = (std::int64_t{1} << 32) - 300, n = 600;
+  std::vector<BFloat16> p16 = storage_values<BFloat16>(n, 1.0f, 7),
+                        g16 = storage_values<BFloat16>(n, 1e-2f, 8);
+  for (std::int64_t i = 0; i < n; ++i) {  // finite values only: each is then stepped to a finite one
+    if (!std::isfinite(to_float(p16[i]))) p16[i] = from_float<BFloat16>(0.5f);
+    if (!std::isfinite(to_float(g16[i]))) g16[i] = from_float<BFloat16>(0.25f);
+  }
+  std::vector<float> p32(n), g32(n), m16(n, 0.0f), v16(n, 0.0f), m32(n, 0.0f), v32(n, 0.0f);
+  for (std::int64_t i = 0; i < n; ++i) p32[i] = to_float(p16[i]), g32[i] = to_float(g16[i]);
+  StepScalars k = make_step_scalars(Rule::kAdamW, 1e-3, 0.9, 0.999, 1e-8, 0.01, 1);
+  k.stochastic_round = 1;
+  k.round_seed = stochastic_round_seed(1, 0);
+  const auto base = reinterpret_cast<std::uintptr_t>(p16.data()) - first * sizeof(BFloat16);
+  const auto grad_base = reinterpret_cast<std::uintptr_t>(g16.data()) - first * sizeof(BFloat16);
+  const auto m_base = reinterpret_cast<std::uintptr_t>(m16.data()) - first * sizeof(float);
+  const auto v_base = reinterpret_cast<std::uintptr_t>(v16.data()) - first * sizeof(float);
+  const Step32 s16{reinterpret_cast<void*>(base),
+                   reinterpret_cast<const void*>(grad_base),
+                   DType::kBFloat16,
+                   reinterpret_cast<float*>(m_base),
+                   reinterpret_cast<float*>(v_base),
+                   first + n,
+                   Rule::kAdamW,
+                   k,
+                   1.0f};
+  step32_cpu(s16, first, first + n);
+  step32_cpu(
+      Step32{p32.data(), g32.data(), DType::kFloat32, m32.data(), v32.data(), n, Rule::kAdamW, k, 1.0f}, 0,
+      n);
+  int rounded_up = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(p16[i].bits, from_float_stochastic(p32[i], rounding_bits(k.round_seed, first + i)).bits)
+        << "element " << first + i << " (" << cpu_kernel_isa() << ")";
+    rounded_up += p16[i].bits != (bit_cast<std::uint32_t>(p32[i]) >> 16) ? 1 : 0;
+  }
+  EXPECT_GT(rounded_up, 0);
+  EXPECT_LT(rounded_up, n);
 }
 
 TEST(Step32, GradScaleMultipliesTheGradientFirst) {
@@ -632,6 +700,74 @@ TEST(Conversions, HalfAndBFloat16RoundToNearestEven) {
     const std::uint32_t expected = (du < dd || (du == dd && ((down >> 16) & 1u))) ? up : down;
     ASSERT_EQ(from_float<BFloat16>(x).bits, static_cast<std::uint16_t>(expected >> 16)) << std::hexfloat << x;
   }
+}
+
+TEST(Conversions, BFloat16StochasticRoundingIsUnbiasedBetweenTheTwoNeighbours) {
+  // Over all 2^16 values of the random bits, x must round to the neighbour above it in magnitude exactly
+  // (its dropped 16 bits) times, to the one below otherwise: the mean of the results is x itself.
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<std::uint32_t> any_bits;
+  std::vector<float> values = {1.0f,     -1.0f,  0.999f,  -0.999f, 1e-3f, 3.0e38f,
+                               -3.3e38f, 1e-40f, -1e-45f, 0.0f,    -0.0f};
+  for (int i = 0; i < 200; ++i) {
+    float x;
+    const std::uint32_t u = any_bits(rng);
+    std::memcpy(&x, &u, sizeof(x));
+    if (std::isfinite(x)) values.push_back(x);
+  }
+  for (const float x : values) {
+    const std::uint32_t u = bit_cast<std::uint32_t>(x);
+    const std::uint32_t below = u >> 16, above = below + 1, dropped = u & 0xffffu;
+    std::uint32_t ups = 0;
+    double sum = 0;
+    for (std::uint32_t r = 0; r < 65536; ++r) {
+      const std::uint16_t b = from_float_stochastic(x, r * 0x10001u).bits;  // only the low 16 bits count
+      ASSERT_TRUE(b == below || b == above) << std::hexfloat << x << " gave " << b;
+      ups += b == above ? 1 : 0;
+      sum += to_float(BFloat16{b});
+    }
+    ASSERT_EQ(ups, dropped) << std::hexfloat << x;
+    if (std::isfinite(to_float(BFloat16{static_cast<std::uint16_t>(above)}))) {
+      EXPECT_EQ(sum, 65536.0 * x) << std::hexfloat << x;  // exact: 2^16 bf16 values of two neighbours
+    }
+  }
+  // NaN and infinity as to nearest
+  for (const std::uint32_t u : {0x7f800000u, 0xff800000u, 0x7fc00001u, 0xffa00000u, 0x7f800001u}) {
+    const float x = bit_cast<float>(u);
+    for (const std::uint32_t r : {0u, 0xffffu, 0x8000u}) {
+      ASSERT_EQ(from_float_stochastic(x, r).bits, from_float<BFloat16>(x).bits) << std::hex << u;
+    }
+  }
+}
+
+TEST(Conversions, RoundingBitsAreUniformAndDifferWithSeedAndIndex) {
+  // The 16 bits a rounding uses, over 2^20 consecutive elements: uniform in 256 bins (chi-square under its
+  // 99.9% point for 255 degrees of freedom, 330.5); for several seeds and a run of indices past 2^32.
+  for (const auto& [seed, first] : std::vector<std::pair<std::uint32_t, std::int64_t>>{
+           {0u, 0},
+           {stochastic_round_seed(1, 0), 0},
+           {stochastic_round_seed(2, 0), 0},
+           {stochastic_round_seed(1, 1), (std::int64_t{1} << 32) - 1000}}) {
+    constexpr int kCount = 1 << 20;
+    std::vector<int> bins(256, 0);
+    for (std::int64_t i = first; i < first + kCount; ++i) ++bins[(rounding_bits(seed, i) & 0xffffu) >> 8];
+    double chi2 = 0;
+    for (const int c : bins) chi2 += (c - kCount / 256.0) * (c - kCount / 256.0) / (kCount / 256.0);
+    EXPECT_LT(chi2, 330.5) << "seed " << seed << " from index " << first;
+  }
+  // another step, another tensor, or the same index 2^32 further: other bits (equal 16-bit draws by chance:
+  // about 1 in 65536)
+  int same_step = 0, same_tensor = 0, same_low_word = 0;
+  for (std::int64_t i = 0; i < 65536; ++i) {
+    const std::uint32_t a = rounding_bits(stochastic_round_seed(7, 2), i) & 0xffffu;
+    same_step += a == (rounding_bits(stochastic_round_seed(8, 2), i) & 0xffffu) ? 1 : 0;
+    same_tensor += a == (rounding_bits(stochastic_round_seed(7, 3), i) & 0xffffu) ? 1 : 0;
+    same_low_word +=
+        a == (rounding_bits(stochastic_round_seed(7, 2), i + (std::int64_t{1} << 32)) & 0xffffu) ? 1 : 0;
+  }
+  EXPECT_LT(same_step, 8);
+  EXPECT_LT(same_tensor, 8);
+  EXPECT_LT(same_low_word, 8);
 }
 
 /// 0..3 for the levels baseline, avx2, avx512, avx512vbmi; -1 for any other name.

@@ -156,6 +156,9 @@ void next_step(const Case& s, std::vector<Tensor>& tensors, int t, std::mt19937&
                                       /*dampening=*/k % 2 == 1 ? 0.0 : 0.1);
         break;
     }
+    // every other tensor with stochastic rounding (which bf16 parameters take and the others ignore)
+    x.scalars.stochastic_round = k % 2 == 0 ? 1 : 0;
+    x.scalars.round_seed = stochastic_round_seed(step, static_cast<std::int64_t>(k));
   }
 }
 
