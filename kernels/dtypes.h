@@ -119,10 +119,11 @@ MEMSAVE_HD std::uint32_t rounding_bits(std::uint32_t seed, std::int64_t index) {
 /// x rounded to bfloat16 stochastically: to the neighbour of larger magnitude with probability (the 16 bits
 /// that bf16 drops) / 2^16, else to the one of smaller magnitude, so the expected result is x. `random`'s low
 /// 16 bits decide. A value beyond the largest finite bf16 may round to infinity, as it may to nearest; NaN
-/// and infinity convert as from_float<BFloat16> converts them.
+/// and infinity convert as from_float<BFloat16> converts them (infinity has no low bits to carry, so the sum
+/// below leaves it as it is; a NaN's could carry into its sign or leave it infinity).
 MEMSAVE_HD BFloat16 from_float_stochastic(float x, std::uint32_t random) {
   const std::uint32_t bits = to_bits(x);
-  if ((bits & 0x7f800000u) == 0x7f800000u) return from_float<BFloat16>(x);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<std::uint16_t>((bits >> 16) | 0x40u)};
   return BFloat16{static_cast<std::uint16_t>((bits + (random & 0xffffu)) >> 16)};
 }
 

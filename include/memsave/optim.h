@@ -9,7 +9,8 @@
 // per element (dynamic-exponent code books, blockwise absmax scaling) and updated by one fused pass per
 // block: dequantize, update, new block absmax, requantize. Adam keeps about 2 bytes of state per parameter
 // instead of 8. Tensors under `min_8bit_size` elements keep fp32 state, as does any parameter passed to
-// `force_32bit`.
+// `force_32bit`. For bf16 weights kept without an fp32 copy, `bf16_stochastic_round(true)` rounds each new
+// weight stochastically, so that updates under half a bf16 step add up instead of vanishing.
 //
 // The 4-bit optimizers (torchao's AdamW4bit, after Li et al., "Memory Efficient Optimizers with 4-bit
 // States", 2023, with blockwise scaling for both moments) pack two codes to a byte, in blocks of 128 by
