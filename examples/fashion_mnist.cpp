@@ -121,9 +121,47 @@ std::optional<Optimizer> optimizer_named(const std::string& name) {
   return std::nullopt;
 }
 
-/// The learning rate of step `step` of `steps`: falling linearly from `peak` to 0.
-double falling_lr(double peak, int64_t step, int64_t steps) {
-  return peak * static_cast<double>(steps - step) / static_cast<double>(steps);
+/// What one step reports to train_loop.
+struct StepReport {
+  int64_t peak_bytes = 0;
+  int64_t model_bytes = 0;  ///< weights, gradients and optimizer state at that peak; 0 when not counted
+  double seconds = 0;
+};
+
+/// `epochs` passes over the training set in batches of kBatch in a random order, `step(images, labels)`
+/// taking each; prints each epoch's test accuracy under `label`. The learning rate falls linearly from
+/// `peak_lr` to zero over the run: the accuracy compared is then that of a model that has settled, not a
+/// snapshot of one still moving (after one epoch at a constant rate, the snapshots of two equally good runs
+/// differ by a point or more, depending on where the epoch ends).
+template <typename Step>
+Outcome train_loop(torch::nn::Sequential& net, torch::optim::Optimizer& optimizer, double peak_lr,
+                   const std::string& label, const Split& train_set, const Split& test, int epochs,
+                   Step&& step) {
+  const int64_t n = train_set.images.size(0);
+  const int64_t steps = epochs * (n / kBatch);
+  int64_t done = 0;
+  Outcome outcome;
+  for (int epoch = 0; epoch < epochs; ++epoch) {
+    const auto order = torch::randperm(n, torch::kLong);
+    for (int64_t i = 0; i + kBatch <= n; i += kBatch, ++done) {
+      for (auto& group : optimizer.param_groups())
+        group.options().set_lr(peak_lr * static_cast<double>(steps - done) / static_cast<double>(steps));
+      const auto index = order.narrow(0, i, kBatch);
+      const StepReport report =
+          step(train_set.images.index_select(0, index), train_set.labels.index_select(0, index));
+      if (report.peak_bytes > outcome.peak_bytes) {
+        outcome.peak_bytes = report.peak_bytes;
+        outcome.model_bytes = report.model_bytes;
+      }
+      outcome.seconds += report.seconds;
+    }
+    std::printf("  %-40s epoch %d: test accuracy %.2f%%\n", label.c_str(), epoch + 1, accuracy(net, test));
+    std::fflush(stdout);
+  }
+  for (const auto& t : memsave::optimizer_state_tensors(optimizer))
+    outcome.state_bytes += t.numel() * t.element_size();
+  outcome.accuracy = accuracy(net, test);
+  return outcome;
 }
 
 Outcome train(const Optimizer& optimizer, const memsave::Recipe& recipe, const Split& train_set,
@@ -131,42 +169,19 @@ Outcome train(const Optimizer& optimizer, const memsave::Recipe& recipe, const S
   torch::manual_seed(0);
   auto net = memsave::zoo::fashion_cnn();
   memsave::Trainer trainer(net, optimizer.factory, recipe);
-  const double peak_lr = optimizer.lr;
   auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
     return torch::nn::functional::cross_entropy(out, target);
   };
-  const int64_t n = train_set.images.size(0);
-  // The learning rate falls linearly to zero over the run: the accuracy compared is then that of a model that
-  // has settled, not a snapshot of one still moving (after one epoch at a constant rate, the snapshots of two
-  // equally good runs differ by a point or more, depending on where the epoch ends).
-  const int64_t steps = epochs * (n / kBatch);
-  int64_t step = 0;
-  Outcome outcome;
-  for (int epoch = 0; epoch < epochs; ++epoch) {
-    const auto order = torch::randperm(n, torch::kLong);
-    for (int64_t i = 0; i + kBatch <= n; i += kBatch, ++step) {
-      for (auto& group : trainer.optimizer().param_groups())
-        group.options().set_lr(falling_lr(peak_lr, step, steps));
-      const auto index = order.narrow(0, i, kBatch);
-      const memsave::StepStats stats = trainer.step(train_set.images.index_select(0, index),
-                                                    train_set.labels.index_select(0, index), loss);
-      outcome.peak_bytes = std::max(outcome.peak_bytes, stats.peak_bytes);
-      outcome.seconds += stats.seconds;
-    }
-    std::printf("  %-40s epoch %d: test accuracy %.2f%%\n", recipe.label().c_str(), epoch + 1,
-                accuracy(net, test));
-    std::fflush(stdout);
-  }
-  for (const auto& t : memsave::optimizer_state_tensors(trainer.optimizer()))
-    outcome.state_bytes += t.numel() * t.element_size();
-  outcome.accuracy = accuracy(net, test);
-  return outcome;
+  return train_loop(net, trainer.optimizer(), optimizer.lr, recipe.label(), train_set, test, epochs,
+                    [&](const torch::Tensor& images, const torch::Tensor& labels) {
+                      const memsave::StepStats stats = trainer.step(images, labels, loss);
+                      return StepReport{stats.peak_bytes, 0, stats.seconds};
+                    });
 }
 
-/// `--compare bf16-weights`: a plain LibTorch loop over the model in `dtype`, with AdamW (lr 1e-3 falling to
-/// 0, weight decay 0.01): LibTorch's for fp32 weights, AdamW8bit for bf16 ones, rounding new weights to
-/// nearest or stochastically. The logits are cast to fp32 for the loss. State: the optimizer's bytes; peak:
-/// the meter's, over the steps.
+/// `--compare bf16-weights`: a plain LibTorch loop over the model in `dtype`, with AdamW (lr 1e-3, weight
+/// decay 0.01): LibTorch's for fp32 weights, AdamW8bit for bf16 ones, rounding new weights to nearest or
+/// stochastically. The logits are cast to fp32 for the loss. Peak: the meter's, with its breakdown.
 Outcome train_weights(torch::ScalarType dtype, bool stochastic, const std::string& label,
                       const Split& train_set, const Split& test, int epochs) {
   torch::manual_seed(0);
@@ -182,37 +197,20 @@ Outcome train_weights(torch::ScalarType dtype, bool stochastic, const std::strin
         net->parameters(),
         memsave::optim::AdamW8bitOptions(peak_lr).weight_decay(1e-2).bf16_stochastic_round(stochastic));
   }
-  const int64_t n = train_set.images.size(0);
-  const int64_t steps = epochs * (n / kBatch);
-  int64_t step = 0;
-  Outcome outcome;
-  for (int epoch = 0; epoch < epochs; ++epoch) {
-    const auto order = torch::randperm(n, torch::kLong);
-    for (int64_t i = 0; i + kBatch <= n; i += kBatch, ++step) {
-      for (auto& group : optimizer->param_groups()) group.options().set_lr(falling_lr(peak_lr, step, steps));
-      const auto index = order.narrow(0, i, kBatch);
-      const auto start = std::chrono::steady_clock::now();
-      memsave::PeakScope scope(torch::kCPU);
-      optimizer->zero_grad();
-      const auto logits = net->forward(train_set.images.index_select(0, index).to(dtype));
-      torch::nn::functional::cross_entropy(logits.to(torch::kFloat), train_set.labels.index_select(0, index))
-          .backward();
-      optimizer->step();
-      if (scope.peak() > outcome.peak_bytes) {
-        outcome.peak_bytes = scope.peak();
+  return train_loop(
+      net, *optimizer, peak_lr, label, train_set, test, epochs,
+      [&](const torch::Tensor& images, const torch::Tensor& labels) {
+        const auto start = std::chrono::steady_clock::now();
+        memsave::PeakScope scope(torch::kCPU);
+        optimizer->zero_grad();
+        torch::nn::functional::cross_entropy(net->forward(images.to(dtype)).to(torch::kFloat), labels)
+            .backward();
+        optimizer->step();
         const memsave::MemoryBreakdown parts =
             memsave::breakdown(scope.peak(), net->parameters(), optimizer.get(), torch::kCPU);
-        outcome.model_bytes = parts.parameters + parts.gradients + parts.optimizer_state;
-      }
-      outcome.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    }
-    std::printf("  %-40s epoch %d: test accuracy %.2f%%\n", label.c_str(), epoch + 1, accuracy(net, test));
-    std::fflush(stdout);
-  }
-  for (const auto& t : memsave::optimizer_state_tensors(*optimizer))
-    outcome.state_bytes += t.numel() * t.element_size();
-  outcome.accuracy = accuracy(net, test);
-  return outcome;
+        return StepReport{scope.peak(), parts.parameters + parts.gradients + parts.optimizer_state,
+                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+      });
 }
 
 /// Prints the three runs of `--compare bf16-weights`; 0 when the stochastic run is within `tolerance` of

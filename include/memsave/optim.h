@@ -94,11 +94,7 @@ struct AdamW8bitOptions : torch::optim::OptimizerCloneableOptions<AdamW8bitOptio
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
-  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
-  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
-  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
-  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
-  /// of other dtypes round as they do without it.
+  /// bf16 parameters: round each updated value stochastically (Adam8bitOptions::bf16_stochastic_round).
   TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
@@ -121,11 +117,7 @@ struct Lion8bitOptions : torch::optim::OptimizerCloneableOptions<Lion8bitOptions
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
-  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
-  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
-  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
-  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
-  /// of other dtypes round as they do without it.
+  /// bf16 parameters: round each updated value stochastically (Adam8bitOptions::bf16_stochastic_round).
   TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
@@ -152,11 +144,7 @@ struct SGD8bitOptions : torch::optim::OptimizerCloneableOptions<SGD8bitOptions> 
   TORCH_ARG(int64_t, block_size) = 256;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_8bit_size) = 4096;
-  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
-  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
-  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
-  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
-  /// of other dtypes round as they do without it.
+  /// bf16 parameters: round each updated value stochastically (Adam8bitOptions::bf16_stochastic_round).
   TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
@@ -181,11 +169,7 @@ struct Adam4bitOptions : torch::optim::OptimizerCloneableOptions<Adam4bitOptions
   TORCH_ARG(int64_t, block_size) = 128;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_4bit_size) = 4096;
-  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
-  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
-  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
-  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
-  /// of other dtypes round as they do without it.
+  /// bf16 parameters: round each updated value stochastically (Adam8bitOptions::bf16_stochastic_round).
   TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
@@ -210,11 +194,7 @@ struct AdamW4bitOptions : torch::optim::OptimizerCloneableOptions<AdamW4bitOptio
   TORCH_ARG(int64_t, block_size) = 128;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_4bit_size) = 4096;
-  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
-  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
-  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
-  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
-  /// of other dtypes round as they do without it.
+  /// bf16 parameters: round each updated value stochastically (Adam8bitOptions::bf16_stochastic_round).
   TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
@@ -241,11 +221,7 @@ struct SGD4bitOptions : torch::optim::OptimizerCloneableOptions<SGD4bitOptions> 
   TORCH_ARG(int64_t, block_size) = 128;
   /// Tensors with fewer elements keep fp32 state.
   TORCH_ARG(int64_t, min_4bit_size) = 4096;
-  /// bf16 parameters: round each updated value to bf16 stochastically (up or down with the probabilities
-  /// that make its expected value the fp32 result) instead of to nearest, so that updates smaller than half a
-  /// bf16 step add up instead of vanishing. Deterministic: the random bits are a hash of the step count, the
-  /// parameter's place in the optimizer and the element's index, the same on the CPU and on CUDA. Parameters
-  /// of other dtypes round as they do without it.
+  /// bf16 parameters: round each updated value stochastically (Adam8bitOptions::bf16_stochastic_round).
   TORCH_ARG(bool, bf16_stochastic_round) = false;
 
  public:
