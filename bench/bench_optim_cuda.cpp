@@ -1,7 +1,8 @@
 // The GPU step benchmark (run by scripts/gpu-check.sh): one optimizer step on N fp32 parameters (default
 // 10^9) on the current CUDA device: LibTorch's torch::optim::AdamW and its fused AdamW kernel
-// (at::_fused_adamw_) against memsave's AdamW8bit with fp32 and with 8-bit state and its AdamW4bit, and the
-// device's copy bandwidth for the memory floor. State bytes per parameter from the meter.
+// (at::_fused_adamw_) against memsave's AdamW8bit with fp32 and with 8-bit state and its AdamW4bit, AdamW8bit
+// on bf16 weights rounded to nearest and stochastically, and the device's copy bandwidth for the memory
+// floor. State bytes per parameter from the meter.
 // Medians of 10 timed steps after 3 warm-up steps. No Google Benchmark: the GPU machine does not have it.
 #include "timing.h"
 
@@ -98,9 +99,10 @@ int main(int argc, char** argv) {
   report("LibTorch torch::optim::AdamW", stock, 28, stock_state);
   report("LibTorch at::_fused_adamw_", fused, 28, fused_state);
   // A memsave optimizer on a fresh parameter: its state from the meter after the first step, then the timing.
-  auto time_memsave = [&](const char* name, double floor_bytes, auto make_optimizer) {
-    auto p = torch::randn({n}, on).requires_grad_();
-    p.mutable_grad() = torch::randn({n}, on) * 1e-2;
+  auto time_memsave = [&](const char* name, double floor_bytes, auto make_optimizer,
+                          torch::ScalarType dtype = torch::kFloat) {
+    auto p = torch::randn({n}, on.dtype(dtype)).requires_grad_();
+    p.mutable_grad() = torch::randn({n}, on.dtype(dtype)) * 1e-2;
     auto opt = make_optimizer(std::vector<torch::Tensor>{p});
     const double state = state_per_param([&] { opt.step(); });
     report(name, median_seconds([&] { opt.step(); }), floor_bytes, state);
@@ -116,5 +118,17 @@ int main(int argc, char** argv) {
   time_memsave("memsave AdamW4bit, 4-bit state", 14, [](std::vector<torch::Tensor> params) {
     return AdamW4bit(std::move(params), AdamW4bitOptions(1e-3));
   });
+  // bf16 weights and gradients (reads 2 + 2 + 1 + 1 B, writes 2 + 1 + 1 B), rounded to nearest and
+  // stochastically; the ratios are still to the fp32-weight steps above
+  time_memsave(
+      "memsave AdamW8bit, bf16 weights", 10,
+      [](std::vector<torch::Tensor> params) { return AdamW8bit(std::move(params), AdamW8bitOptions(1e-3)); },
+      torch::kBFloat16);
+  time_memsave(
+      "  bf16_stochastic_round", 10,
+      [](std::vector<torch::Tensor> params) {
+        return AdamW8bit(std::move(params), AdamW8bitOptions(1e-3).bf16_stochastic_round(true));
+      },
+      torch::kBFloat16);
   return 0;
 }
