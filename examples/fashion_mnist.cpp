@@ -206,10 +206,12 @@ Outcome train_weights(torch::ScalarType dtype, bool stochastic, const std::strin
         torch::nn::functional::cross_entropy(net->forward(images.to(dtype)).to(torch::kFloat), labels)
             .backward();
         optimizer->step();
-        const memsave::MemoryBreakdown parts =
-            memsave::breakdown(scope.peak(), net->parameters(), optimizer.get(), torch::kCPU);
-        return StepReport{scope.peak(), parts.parameters + parts.gradients + parts.optimizer_state,
-                          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()};
+        const double seconds =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const int64_t peak = scope.peak();
+        const memsave::MemoryBreakdown parts =  // counted after the clock stops and the peak is read
+            memsave::breakdown(peak, net->parameters(), optimizer.get(), torch::kCPU);
+        return StepReport{peak, parts.parameters + parts.gradients + parts.optimizer_state, seconds};
       });
 }
 

@@ -64,10 +64,15 @@ MEMSAVE_HD float from_float<float>(float x) {
   return x;
 }
 
+/// The bf16 NaN of a float NaN's bits: its sign and upper payload, quieted.
+MEMSAVE_HD BFloat16 bf16_nan(std::uint32_t bits) {
+  return BFloat16{static_cast<std::uint16_t>((bits >> 16) | 0x40u)};
+}
+
 template <>
 MEMSAVE_HD BFloat16 from_float<BFloat16>(float x) {
   const std::uint32_t bits = to_bits(x);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<std::uint16_t>((bits >> 16) | 0x40u)};
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16_nan(bits);
   const std::uint32_t rounding = 0x7fffu + ((bits >> 16) & 1u);
   return BFloat16{static_cast<std::uint16_t>((bits + rounding) >> 16)};
 }
@@ -110,10 +115,16 @@ MEMSAVE_HD std::uint32_t rounding_key(std::uint32_t seed, std::int64_t index) {
   return mix32(seed ^ static_cast<std::uint32_t>(static_cast<std::uint64_t>(index) >> 32));
 }
 
+/// rounding_bits of the index whose lower 32 bits are `low` and whose upper ones made `key` (rounding_key).
+MEMSAVE_HD std::uint32_t keyed_rounding_bits(std::uint32_t key, std::uint32_t low) {
+  return mix32(low ^ key);
+}
+
 /// The random bits of element `index` in a stochastic rounding keyed by `seed`: a hash of the two, not a
 /// generator's state, so they do not depend on which thread or device rounds the element, or in what order.
 MEMSAVE_HD std::uint32_t rounding_bits(std::uint32_t seed, std::int64_t index) {
-  return mix32(static_cast<std::uint32_t>(static_cast<std::uint64_t>(index)) ^ rounding_key(seed, index));
+  return keyed_rounding_bits(rounding_key(seed, index),
+                             static_cast<std::uint32_t>(static_cast<std::uint64_t>(index)));
 }
 
 /// x rounded to bfloat16 stochastically: to the neighbour of larger magnitude with probability (the 16 bits
@@ -123,7 +134,7 @@ MEMSAVE_HD std::uint32_t rounding_bits(std::uint32_t seed, std::int64_t index) {
 /// below leaves it as it is; a NaN's could carry into its sign or leave it infinity).
 MEMSAVE_HD BFloat16 from_float_stochastic(float x, std::uint32_t random) {
   const std::uint32_t bits = to_bits(x);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<std::uint16_t>((bits >> 16) | 0x40u)};
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return bf16_nan(bits);
   return BFloat16{static_cast<std::uint16_t>((bits + (random & 0xffffu)) >> 16)};
 }
 

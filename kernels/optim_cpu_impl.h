@@ -26,7 +26,7 @@ void update_half(Float16* param, const Float16* grad, float* m, float* v, std::i
                  float scale, MomentMax& largest, std::int64_t first);
 
 /// update_run's loop. kStochastic: bf16 parameters rounded stochastically (store_param's rule without its
-/// branch per element), element i with the bits mix32((low + i) ^ key): rounding_bits of the tensor's element
+/// branch per element), element i with keyed_rounding_bits(key, low + i): the bits of the tensor's element
 /// whose index has the low 32 bits low + i and the upper ones that `key` (rounding_key) was made from.
 template <typename T, Rule R, bool kMax, bool kStochastic>
 inline void update_loop(T* __restrict param, const T* __restrict grad, float* __restrict m,
@@ -42,7 +42,7 @@ inline void update_loop(T* __restrict param, const T* __restrict grad, float* __
     float& vi = has_second_moment(R) ? v[i] : unused_v;
     update<R>(p, to_float(grad[i]) * scale, mi, vi, k);
     if constexpr (kStochastic) {
-      param[i] = from_float_stochastic(p, mix32(index ^ key));
+      param[i] = from_float_stochastic(p, keyed_rounding_bits(key, index));
     } else {
       param[i] = from_float<T>(p);
     }
