@@ -2,7 +2,9 @@
 // LibTorch's torch::optim::Adam (what C++ users have), LibTorch's fused CPU AdamW kernel (at::_fused_adamw_),
 // memsave's fused fp32 AdamW, its 8-bit AdamW and its 4-bit AdamW; SGD with momentum, LibTorch's against
 // memsave's with fp32, 8-bit and 4-bit state; AdamW on bf16 parameters, LibTorch's against memsave's 8-bit
-// AdamW rounding to nearest and stochastically; and the machine's memory bandwidth, for the floor.
+// AdamW rounding to nearest and stochastically; AdamW on a convolution weight in channels_last; and the
+// machine's memory bandwidth, for the floor. Each row also reports the bytes a step allocates for the moment
+// (its peak above what was live before it), per parameter.
 // bench/run_optim_bench.sh runs this beside the Python peers and writes bench/RESULTS-optim.md.
 #include "benchmark_main.h"
 
@@ -13,6 +15,7 @@
 #include <torch/torch.h>
 
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -22,7 +25,17 @@ constexpr int64_t kParams = int64_t{1} << 24;
 struct Problem {
   torch::Tensor param, grad;
   explicit Problem(torch::ScalarType dtype = torch::kFloat)
-      : param(torch::randn({kParams}).to(dtype)), grad((torch::randn({kParams}) * 1e-2).to(dtype)) {
+      : Problem(torch::randn({kParams}).to(dtype), (torch::randn({kParams}) * 1e-2).to(dtype)) {}
+  /// A convolution's weight of 2^24 elements in channels_last, with its gradient laid out alike (what
+  /// autograd gives such a parameter).
+  static Problem channels_last() {
+    const auto layout = torch::MemoryFormat::ChannelsLast;
+    return Problem(torch::randn({1024, 256, 8, 8}).contiguous(layout),
+                   (torch::randn({1024, 256, 8, 8}) * 1e-2).contiguous(layout));
+  }
+
+ private:
+  Problem(torch::Tensor p, torch::Tensor g) : param(std::move(p)), grad(std::move(g)) {
     param.requires_grad_();
     param.mutable_grad() = grad;
   }
@@ -34,8 +47,14 @@ void run(benchmark::State& state, Step&& step, int64_t floor_bytes_per_param) {
   const int64_t before = memsave::memory_stats(torch::kCPU).current;
   step();  // the first step creates the state
   const int64_t state_total = memsave::memory_stats(torch::kCPU).current - before;
+  // What a step allocates beyond the state it keeps (temporaries, copies): its peak above what was live.
+  const int64_t live = memsave::memory_stats(torch::kCPU).current;
+  memsave::reset_peak(torch::kCPU);
+  step();
+  const int64_t transient = memsave::memory_stats(torch::kCPU).peak - live;
   for (auto _ : state) step();
   state.counters["state_bytes_per_param"] = static_cast<double>(state_total) / kParams;
+  state.counters["transient_bytes_per_param"] = static_cast<double>(transient) / kParams;
   state.counters["floor_bytes_per_param"] = static_cast<double>(floor_bytes_per_param);
   state.counters["params"] = static_cast<double>(kParams);
 }
@@ -212,6 +231,23 @@ void BM_MemsaveAdamW8bitBf16Stochastic(benchmark::State& state) {
       state, [&] { opt.step(); }, 10);
 }
 
+// A convolution's weight in channels_last (the layout convolutions prefer on GPUs and with oneDNN), with
+// LibTorch's AdamW (element-wise in any layout) against memsave's 8-bit AdamW.
+void BM_TorchOptimAdamWChannelsLast(benchmark::State& state) {
+  Problem problem = Problem::channels_last();
+  torch::optim::AdamW opt(std::vector<torch::Tensor>{problem.param}, torch::optim::AdamWOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 28);
+}
+
+void BM_MemsaveAdamW8bitChannelsLast(benchmark::State& state) {
+  Problem problem = Problem::channels_last();
+  memsave::optim::AdamW8bit opt(std::vector<torch::Tensor>{problem.param},
+                                memsave::optim::AdamW8bitOptions(1e-3));
+  run(
+      state, [&] { opt.step(); }, 16);
+}
+
 BENCHMARK(BM_BandwidthRead)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthCopy)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_BandwidthInPlace)->Unit(benchmark::kMillisecond)->UseRealTime();
@@ -228,6 +264,8 @@ BENCHMARK(BM_MemsaveSGD4bit)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_TorchOptimAdamWBf16)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW8bitBf16)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_MemsaveAdamW8bitBf16Stochastic)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_TorchOptimAdamWChannelsLast)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_MemsaveAdamW8bitChannelsLast)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 

@@ -23,7 +23,8 @@ def main(cpp_path, peers_path, command):
         if name.startswith("BM_Bandwidth"):
             probes[name[len("BM_Bandwidth"):]] = b["bytes_moved"] / seconds
             continue
-        rows[name] = {"seconds": seconds, "state": b["state_bytes_per_param"], "floor": b["floor_bytes_per_param"]}
+        rows[name] = {"seconds": seconds, "state": b["state_bytes_per_param"], "floor": b["floor_bytes_per_param"],
+                      "transient": b.get("transient_bytes_per_param")}
     labels = {
         "BM_TorchOptimAdam": "LibTorch torch::optim::Adam (C++)",
         "BM_TorchFusedAdamW": "LibTorch at::_fused_adamw_ (C++)",
@@ -41,6 +42,10 @@ def main(cpp_path, peers_path, command):
         "BM_TorchOptimAdamWBf16": "LibTorch torch::optim::AdamW, bf16 state (C++)",
         "BM_MemsaveAdamW8bitBf16": "memsave AdamW8bit, 8-bit state, rounding to nearest",
         "BM_MemsaveAdamW8bitBf16Stochastic": "memsave AdamW8bit, 8-bit state, bf16_stochastic_round",
+    }
+    channels_last_labels = {
+        "BM_TorchOptimAdamWChannelsLast": "LibTorch torch::optim::AdamW (C++)",
+        "BM_MemsaveAdamW8bitChannelsLast": "memsave AdamW8bit, 8-bit state",
     }
     table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items() if k in labels]
     for peer in peers:
@@ -66,6 +71,8 @@ def main(cpp_path, peers_path, command):
     print_table("AdamW on bf16 parameters and gradients, no fp32 copy (LibTorch's state in bf16: reads p, g, m, "
                 "v and writes p, m, v, 14 B per parameter; 8-bit state 10 B):", bf16_labels,
                 "BM_TorchOptimAdamWBf16", "torch::optim::AdamW", rows, bandwidth, params)
+    print_table("AdamW on a convolution weight in channels_last, 1024 x 256 x 8 x 8, fp32:", channels_last_labels,
+                "BM_TorchOptimAdamWChannelsLast", "torch::optim::AdamW", rows, bandwidth, params)
 
 
 def print_adam(table, base, bandwidth, params):
@@ -88,13 +95,15 @@ def print_table(title, labels, base_name, base_label, rows, bandwidth, params):
         return
     base = rows[base_name]["seconds"]
     print(f"\n{title}\n")
-    print(f"| optimizer | step time | vs {base_label} | state B/param | counted by | floor B/param | "
-          "floor time | fraction of floor |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    print(f"| optimizer | step time | vs {base_label} | state B/param | step's transient B/param | counted by | "
+          "floor B/param | floor time | fraction of floor |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for name, v in present:
         floor_time = v["floor"] * params / bandwidth
+        transient = "" if v["transient"] is None else f"{v['transient']:.4f}"
         print(f"| {name} | {v['seconds'] * 1e3:.2f} ms | {base / v['seconds']:.2f}× | {v['state']:.4f} | "
-              f"meter | {v['floor']:.0f} | {floor_time * 1e3:.2f} ms | {floor_time / v['seconds']:.2f} |")
+              f"{transient} | meter | {v['floor']:.0f} | {floor_time * 1e3:.2f} ms | "
+              f"{floor_time / v['seconds']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@
 namespace memsave::amp {
 namespace {
 
-/// The read-only inf/NaN check of kernels/finite.h over a CPU gradient, on all threads.
+/// The read-only inf/NaN check of kernels/finite.h over a CPU gradient, on all threads: over its memory as
+/// it lies when that is dense (a channels_last gradient needs no copy).
 bool all_finite_cpu(const torch::Tensor& grad) {
-  const torch::Tensor g = grad.contiguous();
+  const torch::Tensor g = grad.is_non_overlapping_and_dense() ? grad : grad.contiguous();
   const std::optional<kernels::DType> dtype = kernel_dtype(g.scalar_type());
   if (!dtype) return g.isfinite().all().item<bool>();
   std::atomic<bool> finite{true};

@@ -6,6 +6,7 @@
 // `to`'s new states, and only then swaps them in.
 #include "memsave/offload.h"
 #include "memsave/optim.h"
+#include "optim_internal.h"
 
 #include "../kernels/optim_cpu.h"
 #include "../kernels/qmap.h"
@@ -171,9 +172,9 @@ struct StateAccess {
         if (state.quantized()) {
           r.quantized = &state, r.source = &static_cast<const LowBitOptimizer&>(*s.owner),
           r.source_key = s.key;
-        } else {
-          r.m = fp32(state.m());
-          if (state.v().defined()) r.v = fp32(state.v());
+        } else {  // 1-D in the state's order
+          r.m = in_shape(state.m(), s.param.sizes(), state.strides());
+          if (state.v().defined()) r.v = in_shape(state.v(), s.param.sizes(), state.strides());
         }
         break;
       }
@@ -190,11 +191,12 @@ struct StateAccess {
     r.fresh = true;  // state_fp32 returns new tensors
   }
 
-  /// `values` (fp32) as blockwise codes of `bits` and their absmaxes, computed on the CPU and placed on `on`.
-  static std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& values,
+  /// `values` (fp32) as blockwise codes of `bits` in `order` and their absmaxes, computed on the CPU and
+  /// placed on `on`.
+  static std::pair<torch::Tensor, torch::Tensor> quantize(const torch::Tensor& values, c10::IntArrayRef order,
                                                           const k::CodeBook& book, int bits, int64_t block,
                                                           const torch::TensorOptions& on) {
-    const torch::Tensor flat = values.reshape({-1}).to(torch::kCPU).contiguous();
+    const torch::Tensor flat = memory_of(laid_out(values.to(torch::kCPU), order));
     const int64_t n = flat.numel();
     const int64_t blocks = (n + block - 1) / block;
     const bool cpu = on.device().is_cpu();
@@ -216,11 +218,10 @@ struct StateAccess {
     const torch::Tensor& p = s.param;
     // Tensors of `to`'s own: a copy never aliases `from`'s state, but fresh moments where they fit are kept.
     const auto keep = [&](const torch::Tensor& t, torch::ScalarType dtype) {
-      return r.fresh && !s.host_arena && t.device() == s.key.device() && t.scalar_type() == dtype &&
-             t.is_contiguous();
+      return r.fresh && !s.host_arena && t.device() == s.key.device() && t.scalar_type() == dtype;
     };
     const auto like = [&](const torch::Tensor& t) {
-      if (keep(t, p.scalar_type())) return t;
+      if (keep(t, p.scalar_type()) && t.is_contiguous()) return t;
       return t.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
     };
     if (s.form != Form::kLowBit) moments(r, p);
@@ -249,10 +250,12 @@ struct StateAccess {
         p.numel() >= h.min_quantized_size && !o.forced_32bit_.count(s.key.unsafeGetTensorImpl());
     const auto on = torch::TensorOptions().device(s.key.device());
     const bool second = rule == StateRule::kAdam;
+    const std::vector<int64_t> order = state_order(s.key);  // as `to`'s own step would order it
     auto state = std::make_unique<QuantizedParamState>();
-    state->step(r.step);
+    state->step(r.step).strides(order);
     const QuantizedParamState* q = r.quantized;
-    if (quantized && q != nullptr && q->bits() == o.bits() && q->block_size() == h.block_size) {
+    if (quantized && q != nullptr && q->bits() == o.bits() && q->block_size() == h.block_size &&
+        same_order(p.sizes(), q->strides(), order)) {
       const auto copy = [&](const torch::Tensor& t) {  // the codes as they are
         return t.to(on.device(), /*non_blocking=*/false, /*copy=*/true);
       };
@@ -263,9 +266,9 @@ struct StateAccess {
     }
     moments(r, p);
     if (!quantized) {
-      const auto flat = [&](const torch::Tensor& t) {
-        if (keep(t, torch::kFloat)) return t.reshape({-1});
-        return t.reshape({-1}).to(s.key.device(), torch::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      const auto flat = [&](const torch::Tensor& t) {  // 1-D in `order`
+        if (keep(t, torch::kFloat) && lies_in(t, order)) return memory_of(t);
+        return memory_of(empty_in(p.sizes(), order, on.dtype(torch::kFloat)).copy_(t));
       };
       state->m(flat(r.m));
       if (second) state->v(flat(r.v));
@@ -273,10 +276,10 @@ struct StateAccess {
     }
     state->block_size(h.block_size).bits(o.bits());
     const int bits = o.bits();
-    auto [m, absmax_m] = quantize(r.m, k::signed_code_book(bits), bits, h.block_size, on);
+    auto [m, absmax_m] = quantize(r.m, order, k::signed_code_book(bits), bits, h.block_size, on);
     state->m(m).absmax_m(absmax_m);
     if (second) {
-      auto [v, absmax_v] = quantize(r.v, k::unsigned_code_book(bits), bits, h.block_size, on);
+      auto [v, absmax_v] = quantize(r.v, order, k::unsigned_code_book(bits), bits, h.block_size, on);
       state->v(v).absmax_v(absmax_v);
     }
     return state;

@@ -11,6 +11,7 @@
 #include <c10/util/Type.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <typeinfo>
 #include <unordered_map>
@@ -98,11 +99,11 @@ torch::Tensor unpacked_codes(const torch::Tensor& codes, int64_t bits, int64_t n
       .narrow(0, 0, numel);
 }
 
+/// The `numel` values that `codes` and `absmax` hold, 1-D in the state's order.
 torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& codes, int64_t bits,
-                               const torch::Tensor& absmax, int64_t block, torch::IntArrayRef shape) {
-  const int64_t numel = c10::multiply_integers(shape);
+                               const torch::Tensor& absmax, int64_t block, int64_t numel) {
   if (codes.is_cpu()) {  // the step kernels' own dequantization, on all threads
-    torch::Tensor out = torch::empty(shape, torch::kFloat);
+    torch::Tensor out = torch::empty({numel}, torch::kFloat);
     const torch::Tensor packed = codes.contiguous(), scales = absmax.contiguous();
     const uint8_t* c = packed.data_ptr<uint8_t>();
     const float* a = scales.data_ptr<float>();
@@ -115,10 +116,92 @@ torch::Tensor dequantize_state(const k::CodeBook& book, const torch::Tensor& cod
   }
   const torch::Tensor values = book_tensor(book, codes.device()).index({unpacked_codes(codes, bits, numel)});
   const torch::Tensor scale = absmax.repeat_interleave(block).narrow(0, 0, numel);
-  return (values * scale).reshape(shape);
+  return values * scale;
+}
+
+/// A state's moments as new fp32 tensors, 1-D in the state's order: {m} or {m, v}.
+std::vector<torch::Tensor> moments_flat(const QuantizedParamState& s, int64_t numel) {
+  if (!s.quantized()) {
+    std::vector<torch::Tensor> out{s.m().clone()};
+    if (s.v().defined()) out.push_back(s.v().clone());
+    return out;
+  }
+  const int bits = static_cast<int>(s.bits());
+  std::vector<torch::Tensor> out{
+      dequantize_state(k::signed_code_book(bits), s.m(), bits, s.absmax_m(), s.block_size(), numel)};
+  if (s.v().defined()) {
+    out.push_back(
+        dequantize_state(k::unsigned_code_book(bits), s.v(), bits, s.absmax_v(), s.block_size(), numel));
+  }
+  return out;
 }
 
 }  // namespace
+
+namespace detail {
+
+std::vector<int64_t> state_order(const torch::Tensor& param) {
+  if (param.is_contiguous() || !param.is_non_overlapping_and_dense()) return {};
+  return param.strides().vec();
+}
+
+bool is_dense_order(c10::IntArrayRef sizes, c10::IntArrayRef order) {
+  if (order.empty()) return true;
+  if (order.size() != sizes.size()) return false;
+  std::vector<std::pair<int64_t, int64_t>> steps;  // (stride, size) of each dimension longer than 1
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (order[d] < 0) return false;
+    if (sizes[d] > 1) steps.emplace_back(order[d], sizes[d]);
+  }
+  std::sort(steps.begin(), steps.end());
+  int64_t next = 1;  // dense: each stride is the product of the sizes of the dimensions inside it
+  for (const auto& [stride, size] : steps) {
+    if (stride != next) return false;
+    next *= size;
+  }
+  return true;
+}
+
+bool lies_in(const torch::Tensor& t, c10::IntArrayRef order) {
+  if (order.empty()) return t.is_contiguous();
+  if (static_cast<size_t>(t.dim()) != order.size() || !t.is_non_overlapping_and_dense()) return false;
+  for (int64_t d = 0; d < t.dim(); ++d) {  // a dimension of size 1 is laid out any way
+    if (t.size(d) > 1 && t.stride(d) != order[d]) return false;
+  }
+  return true;
+}
+
+bool same_order(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::IntArrayRef b) {
+  std::vector<int64_t> row_major(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    row_major[d] = stride;
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  const c10::IntArrayRef x = a.empty() ? c10::IntArrayRef(row_major) : a;
+  const c10::IntArrayRef y = b.empty() ? c10::IntArrayRef(row_major) : b;
+  if (x.size() != sizes.size() || y.size() != sizes.size()) return false;
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (sizes[d] > 1 && x[d] != y[d]) return false;
+  }
+  return true;
+}
+
+torch::Tensor empty_in(c10::IntArrayRef sizes, c10::IntArrayRef order, const torch::TensorOptions& options) {
+  return order.empty() ? torch::empty(sizes, options) : torch::empty_strided(sizes, order, options);
+}
+
+torch::Tensor laid_out(const torch::Tensor& t, c10::IntArrayRef order) {
+  return lies_in(t, order) ? t : empty_in(t.sizes(), order, t.options()).copy_(t);
+}
+
+torch::Tensor memory_of(const torch::Tensor& t) { return t.as_strided({t.numel()}, {1}); }
+
+torch::Tensor in_shape(const torch::Tensor& flat, c10::IntArrayRef sizes, c10::IntArrayRef order) {
+  return order.empty() ? flat.view(sizes) : flat.as_strided(sizes, order);
+}
+
+}  // namespace detail
 
 // ---- options
 // -----------------------------------------------------------------------------------------------
@@ -292,6 +375,9 @@ void QuantizedParamState::serialize(OutputArchive& archive) const {
   archive.write("step", step());
   archive.write("block_size", block_size());
   if (bits() != 8) archive.write("bits", bits());  // files from before 4-bit state have no "bits": 8
+  if (!strides().empty()) {                        // files from before ordered state have none: row-major
+    archive.write("strides", torch::tensor(strides(), torch::kLong), /*is_buffer=*/true);
+  }
   archive.write("m", m(), /*is_buffer=*/true);
   if (v().defined()) archive.write("v", v(), /*is_buffer=*/true);
   if (absmax_m().defined()) archive.write("absmax_m", absmax_m(), /*is_buffer=*/true);
@@ -307,6 +393,12 @@ void QuantizedParamState::serialize(InputArchive& archive) {
   block_size(read_int(archive, "block_size"));
   c10::IValue bits_value;
   bits(archive.try_read("bits", bits_value) && bits_value.isInt() ? bits_value.toInt() : 8);
+  const torch::Tensor order = tensor("strides");
+  TORCH_CHECK(!order.defined() || (order.dim() == 1 && order.scalar_type() == torch::kLong),
+              "QuantizedParamState: the archive's strides are not a list of integers");
+  strides(order.defined()
+              ? std::vector<int64_t>(order.data_ptr<int64_t>(), order.data_ptr<int64_t>() + order.numel())
+              : std::vector<int64_t>{});
   torch::Tensor codes;
   archive.read("m", codes, /*is_buffer=*/true);
   m(codes).v(tensor("v")).absmax_m(tensor("absmax_m")).absmax_v(tensor("absmax_v"));
@@ -318,8 +410,8 @@ bool operator==(const QuantizedParamState& a, const QuantizedParamState& b) {
                                                            torch::equal(x.cpu(), y.cpu())));
   };
   return a.step() == b.step() && a.block_size() == b.block_size() && a.bits() == b.bits() &&
-         same(a.m(), b.m()) && same(a.v(), b.v()) && same(a.absmax_m(), b.absmax_m()) &&
-         same(a.absmax_v(), b.absmax_v());
+         a.strides() == b.strides() && same(a.m(), b.m()) && same(a.v(), b.v()) &&
+         same(a.absmax_m(), b.absmax_m()) && same(a.absmax_v(), b.absmax_v());
 }
 
 // ---- the optimizer
@@ -382,8 +474,8 @@ void LowBitOptimizer::check(const Hyper& h, Kind kind) {
 namespace {
 
 struct Work {
-  torch::Tensor param;  // contiguous: the parameter itself or a copy written back after the step
-  torch::Tensor grad;   // contiguous
+  torch::Tensor param;  // in its state's order: the parameter itself or a copy written back after the step
+  torch::Tensor grad;   // in its state's order
   torch::Tensor original;
   QuantizedParamState* state = nullptr;
   std::unique_ptr<QuantizedParamState> fresh;
@@ -446,8 +538,9 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
         w.state = static_cast<QuantizedParamState*>(it->second.get());
         const int64_t codes =
             w.state->quantized() ? k::code_bytes(p.numel(), static_cast<int>(w.state->bits())) : p.numel();
-        TORCH_CHECK(w.state->m().numel() == codes && w.state->m().device() == p.device(), name,
-                    ": the state of a parameter of shape ", p.sizes(), " does not match it");
+        TORCH_CHECK(w.state->m().numel() == codes && w.state->m().device() == p.device() &&
+                        detail::is_dense_order(p.sizes(), w.state->strides()),
+                    name, ": the state of a parameter of shape ", p.sizes(), " does not match it");
       }
       work.push_back(std::move(w));
     }
@@ -459,13 +552,16 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
   }
 #endif
 
-  // 2. Allocate: new state (created lazily, the first time a parameter has a gradient) and contiguous copies.
-  //    An out-of-memory here leaves the parameters and the committed state as they were.
+  // 2. Allocate: new state (created lazily, the first time a parameter has a gradient, in the parameter's
+  //    memory order when it has one) and copies of parameters and gradients laid out otherwise than their
+  //    state (none in the usual case). An out-of-memory here leaves the parameters and the committed state as
+  //    they were.
   for (Work& w : work) {
     const Hyper& h = hypers[w.group];
     const torch::Tensor& p = w.original;
     if (w.state == nullptr) {
       w.fresh = std::make_unique<QuantizedParamState>();
+      w.fresh->strides(detail::state_order(p));
       const bool quantized =
           p.numel() >= h.min_quantized_size && !forced_32bit_.count(p.unsafeGetTensorImpl());
       const auto on = torch::TensorOptions().device(p.device());
@@ -487,8 +583,8 @@ torch::Tensor LowBitOptimizer::step_impl(LossClosure closure, const torch::Tenso
       }
       w.state = w.fresh.get();
     }
-    w.param = p.is_contiguous() ? p : p.contiguous();
-    w.grad = p.grad().contiguous();
+    w.param = detail::laid_out(p, w.state->strides());
+    w.grad = detail::laid_out(p.grad(), w.state->strides());
   }
   //    The scaler's 1/scale on each device, and the code books on each CUDA device.
   std::unordered_map<c10::Device, torch::Tensor> inv_scales;
@@ -590,11 +686,12 @@ void LowBitOptimizer::force_32bit(const torch::Tensor& param) {
   if (it != state_.end() && static_cast<QuantizedParamState&>(*it->second).quantized()) {
     // Built before anything changes: running out of memory here, or in the insert, leaves the quantized
     // state in place; the move that replaces it cannot throw.
-    const std::vector<torch::Tensor> fp32 = state_fp32(param);
+    const auto& old = static_cast<const QuantizedParamState&>(*it->second);
+    const std::vector<torch::Tensor> fp32 = moments_flat(old, param.numel());
     auto fresh = std::make_unique<QuantizedParamState>();
-    fresh->step(static_cast<QuantizedParamState&>(*it->second).step());
-    fresh->m(fp32[0].reshape({-1}).contiguous());
-    if (fp32.size() > 1) fresh->v(fp32[1].reshape({-1}).contiguous());
+    fresh->step(old.step()).strides(old.strides());
+    fresh->m(fp32[0]);
+    if (fp32.size() > 1) fresh->v(fp32[1]);
     forced_32bit_.insert(param.unsafeGetTensorImpl());
     it->second = std::move(fresh);
     return;
@@ -609,19 +706,8 @@ std::vector<torch::Tensor> LowBitOptimizer::state_fp32(const torch::Tensor& para
     return {};
   }
   const auto& s = static_cast<const QuantizedParamState&>(*it->second);
-  std::vector<torch::Tensor> out;
-  if (!s.quantized()) {
-    out.push_back(s.m().reshape(param.sizes()).clone());
-    if (s.v().defined()) out.push_back(s.v().reshape(param.sizes()).clone());
-    return out;
-  }
-  const int bits = static_cast<int>(s.bits());
-  out.push_back(
-      dequantize_state(k::signed_code_book(bits), s.m(), bits, s.absmax_m(), s.block_size(), param.sizes()));
-  if (s.v().defined()) {
-    out.push_back(dequantize_state(k::unsigned_code_book(bits), s.v(), bits, s.absmax_v(), s.block_size(),
-                                   param.sizes()));
-  }
+  std::vector<torch::Tensor> out = moments_flat(s, param.numel());
+  for (torch::Tensor& t : out) t = detail::in_shape(t, param.sizes(), s.strides());
   return out;
 }
 
@@ -718,6 +804,9 @@ void LowBitOptimizer::load(InputArchive& archive) {
                           (!second || fits(s->absmax_v(), blocks, torch::kFloat)),
                       name, ": the archive's block scales do not fit a parameter of shape ", p.sizes());
         }
+        TORCH_CHECK(detail::is_dense_order(p.sizes(), s->strides()), name,
+                    ": the archive's state order (strides ", c10::IntArrayRef(s->strides()),
+                    ") is not a layout of a parameter of shape ", p.sizes());
         const int64_t entries = quantized ? k::code_bytes(numel, bits_) : numel;
         TORCH_CHECK(
             fits(s->m(), entries, codes) && (second ? fits(s->v(), entries, codes) : !s->v().defined()), name,

@@ -8,9 +8,29 @@
 
 namespace memsave::optim::detail {
 
+// ---- the order of a parameter's state (QuantizedParamState::strides)
+
+/// The order a new state of `param` takes: its memory's when it is dense (no gaps, no shared elements) but
+/// not row-major, as a channels_last weight; otherwise row-major (empty).
+std::vector<int64_t> state_order(const torch::Tensor& param);
+/// Whether `order` is a dense layout of `sizes` (empty: row-major, always): what a loaded file must hold.
+bool is_dense_order(c10::IntArrayRef sizes, c10::IntArrayRef order);
+/// Whether the elements of `t` lie in memory in `order` (of t's shape), from t's first element on.
+bool lies_in(const torch::Tensor& t, c10::IntArrayRef order);
+/// Whether orders `a` and `b` of `sizes` place every element at the same offset.
+bool same_order(c10::IntArrayRef sizes, c10::IntArrayRef a, c10::IntArrayRef b);
+/// A new tensor of `sizes` whose elements lie in `order`.
+torch::Tensor empty_in(c10::IntArrayRef sizes, c10::IntArrayRef order, const torch::TensorOptions& options);
+/// `t` when it lies in `order`, otherwise a copy that does.
+torch::Tensor laid_out(const torch::Tensor& t, c10::IntArrayRef order);
+/// The elements of `t`, which lies in some order, as a 1-D tensor in that order (a view of t's memory).
+torch::Tensor memory_of(const torch::Tensor& t);
+/// `flat` (1-D, in `order`) as a tensor of `sizes`: a view.
+torch::Tensor in_shape(const torch::Tensor& flat, c10::IntArrayRef sizes, c10::IntArrayRef order);
+
 struct TensorStep {
-  torch::Tensor param;  ///< contiguous
-  torch::Tensor grad;   ///< contiguous, same dtype and device
+  torch::Tensor param;  ///< lies in its state's order (state->strides())
+  torch::Tensor grad;   ///< lies in that order too; same dtype and device
   QuantizedParamState* state;
   kernels::Rule rule;
   kernels::StepScalars scalars;

@@ -65,6 +65,28 @@ TEST(GradScaler, AnInfSkipsTheStepAndLeavesEverythingBitIdentical) {
   EXPECT_EQ(scaler.growth_tracker(), 0);
 }
 
+TEST(GradScaler, ChecksAChannelsLastGradientWhereItLies) {
+  // The inf check before a fused unscale reads a dense gradient's memory as it lies: a channels_last gradient
+  // is not copied (the step allocates only scalars), and an inf anywhere in it still skips the step.
+  auto w = torch::randn({64, 32, 3, 3}).contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+  optim::AdamW8bit opt(std::vector<torch::Tensor>{w});
+  GradScaler scaler(GradScalerOptions().fuse_unscale(FuseUnscale::kAlways));
+  int step = 0;
+  for (const bool poisoned : {false, false, true, false}) {
+    opt.zero_grad();
+    scaler.scale((w * torch::randn(w.sizes())).sum()).backward();
+    ASSERT_TRUE(w.grad().is_contiguous(torch::MemoryFormat::ChannelsLast));  // autograd keeps the layout
+    if (poisoned) w.mutable_grad()[40][7][1][2] = INFINITY;
+    const auto before = w.detach().clone();
+    const int64_t live = memory_stats(torch::kCPU).current;
+    reset_peak(torch::kCPU);
+    EXPECT_EQ(scaler.step(opt), !poisoned) << step;
+    if (step++ > 0) EXPECT_LT(memory_stats(torch::kCPU).peak - live, 4096) << step;  // the gradient: 73,728 B
+    if (poisoned) EXPECT_TRUE(torch::equal(w.detach(), before));
+    scaler.update();
+  }
+}
+
 TEST(GradScaler, GrowsExactlyAfterTheIntervalAndNeverToInfinity) {
   auto p = torch::ones({4}).requires_grad_();
   torch::optim::SGD opt(std::vector<torch::Tensor>{p}, torch::optim::SGDOptions(0.0));

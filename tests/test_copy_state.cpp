@@ -252,6 +252,67 @@ TEST(CopyState, QuantizesSgdMomentumToTheNearestFourBitCodes) {
   }
 }
 
+TEST(CopyState, QuantizesChannelsLastWeightsInTheirMemoryOrder) {
+  // memsave's state of a channels_last weight follows the weight's memory (QuantizedParamState::strides): a
+  // copy into it quantizes the blocks of that order, and a copy between two orders requantizes.
+  const auto channels_last = [](const torch::Tensor& t) {
+    return t.detach().contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+  };
+  const auto in_memory_order = [](const torch::Tensor& t) { return t.permute({0, 2, 3, 1}); };
+  torch::manual_seed(7);
+  // 18,432 elements (quantized) and 288 (fp32 state)
+  const Params a = {channels_last(torch::randn({64, 32, 3, 3})), channels_last(torch::randn({8, 4, 3, 3}))};
+  auto from = adamw()(a);
+  train(*from, a, 1, 3);
+  for (const int bits : {8, 4}) {
+    SCOPED_TRACE(std::to_string(bits) + "-bit");
+    const Make make = bits == 8 ? adamw8() : adamw4();
+    const Params b = {channels_last(a[0]), channels_last(a[1])};
+    auto to = make(b);
+    copy_state(*from, *to);
+    const auto& source =
+        static_cast<const torch::optim::AdamWParamState&>(*from->state().at(a[0].unsafeGetTensorImpl()));
+    const auto& target = static_cast<const QuantizedParamState&>(*to->state().at(b[0].unsafeGetTensorImpl()));
+    ASSERT_TRUE(target.quantized());
+    EXPECT_EQ(target.strides(), b[0].strides().vec());
+    const int64_t block = bits == 8 ? 256 : 128;
+    expect_nearest_codes(in_memory_order(source.exp_avg()), target.m(), target.absmax_m(),
+                         k::signed_code_book(bits), bits, block);
+    expect_nearest_codes(in_memory_order(source.exp_avg_sq()), target.v(), target.absmax_v(),
+                         k::unsigned_code_book(bits), bits, block);
+    const auto& small_source =
+        static_cast<const torch::optim::AdamWParamState&>(*from->state().at(a[1].unsafeGetTensorImpl()));
+    const auto& small = static_cast<const QuantizedParamState&>(*to->state().at(b[1].unsafeGetTensorImpl()));
+    ASSERT_FALSE(small.quantized());
+    EXPECT_EQ(small.strides(), b[1].strides().vec());
+    EXPECT_TRUE(torch::equal(small.m(), in_memory_order(small_source.exp_avg()).reshape({-1})));
+
+    // Into the same format over weights laid out alike: the codes as they are.
+    const Params c = {channels_last(a[0]), channels_last(a[1])};
+    auto same = make(c);
+    copy_state(*to, *same);
+    EXPECT_TRUE(target ==
+                static_cast<const QuantizedParamState&>(*same->state().at(c[0].unsafeGetTensorImpl())));
+    // Over row-major weights: the values read back, requantized in row-major blocks.
+    const Params d = {a[0].detach().contiguous().requires_grad_(),
+                      a[1].detach().contiguous().requires_grad_()};
+    auto row_major = make(d);
+    copy_state(*to, *row_major);
+    const auto& requantized =
+        static_cast<const QuantizedParamState&>(*row_major->state().at(d[0].unsafeGetTensorImpl()));
+    EXPECT_TRUE(requantized.strides().empty());
+    const auto values = static_cast<LowBitOptimizer&>(*to).state_fp32(b[0]);
+    expect_nearest_codes(values[0], requantized.m(), requantized.absmax_m(), k::signed_code_book(bits), bits,
+                         block);
+    expect_nearest_codes(values[1], requantized.v(), requantized.absmax_v(), k::unsigned_code_book(bits),
+                         bits, block);
+    const auto& small_row_major =
+        static_cast<const QuantizedParamState&>(*row_major->state().at(d[1].unsafeGetTensorImpl()));
+    EXPECT_TRUE(torch::equal(small_row_major.m(),
+                             static_cast<LowBitOptimizer&>(*to).state_fp32(b[1])[0].reshape({-1})));
+  }
+}
+
 /// `fp32` (LibTorch's Adam or AdamW, whose state type is `State`) holds for each parameter exactly what
 /// `quantized` reads back as, after `steps` steps.
 template <typename State>

@@ -695,19 +695,42 @@ TEST(BadInput, AnOutOfMemoryWhileCreatingStateChangesNothing) {
 }
 
 TEST(Layouts, NonContiguousAndHalfPrecisionParametersWork) {
+  // A transpose is dense: its state follows its memory, so it steps as the tensor it transposes.
   const auto base = torch::randn({128, 64});
-  auto t = base.t().detach().requires_grad_();  // non-contiguous leaf
-  auto c = base.t().contiguous().requires_grad_();
+  auto t = base.clone().t().detach().requires_grad_();  // non-contiguous leaf
+  auto c = base.clone().requires_grad_();
   ASSERT_FALSE(t.is_contiguous());
   AdamW8bit a(std::vector<torch::Tensor>{t});
   AdamW8bit b(std::vector<torch::Tensor>{c});
-  const auto g = torch::randn({64, 128});
-  t.mutable_grad() = g.clone();
-  c.mutable_grad() = g.clone();
-  a.step();
-  b.step();
-  EXPECT_TRUE(torch::equal(t.detach(), c.detach()));
+  for (int step = 0; step < 3; ++step) {
+    const auto g = torch::randn({128, 64});
+    t.mutable_grad() = g.t();
+    c.mutable_grad() = g.clone();
+    a.step();
+    b.step();
+  }
+  EXPECT_TRUE(torch::equal(t.detach(), c.detach().t()));
   EXPECT_FALSE(t.is_contiguous());
+  EXPECT_EQ(static_cast<QuantizedParamState&>(*a.state().at(t.unsafeGetTensorImpl())).strides(),
+            t.strides().vec());
+
+  // A slice of a wider tensor has gaps: it steps through a row-major copy, written back into the slice only.
+  const auto wide = torch::randn({128, 96});
+  auto slice = wide.clone().narrow(1, 0, 64).detach().requires_grad_();
+  auto packed = wide.narrow(1, 0, 64).contiguous().requires_grad_();
+  ASSERT_FALSE(slice.is_non_overlapping_and_dense());
+  AdamW8bit sliced(std::vector<torch::Tensor>{slice});
+  AdamW8bit contiguous(std::vector<torch::Tensor>{packed});
+  const auto g = torch::randn({128, 64});
+  slice.mutable_grad() = g.clone();
+  packed.mutable_grad() = g.clone();
+  sliced.step();
+  contiguous.step();
+  EXPECT_TRUE(torch::equal(slice.detach(), packed.detach()));
+  const auto whole = slice.detach().as_strided({128, 96}, {96, 1});
+  EXPECT_TRUE(torch::equal(whole.narrow(1, 64, 32), wide.narrow(1, 64, 32)));  // the rest as it was
+  EXPECT_TRUE(
+      static_cast<QuantizedParamState&>(*sliced.state().at(slice.unsafeGetTensorImpl())).strides().empty());
 
   for (const auto dtype : {torch::kBFloat16, torch::kHalf}) {
     auto h = torch::randn({8192}).to(dtype).requires_grad_();
@@ -881,6 +904,142 @@ TEST(StochasticRounding, LeavesFloat32AndFloat16ParametersRoundingAsBefore) {
   }
 }
 
+/// A convolution's weight in channels_last, and the same values in a row-major tensor laid out as the
+/// weight's memory (out, kh, kw, in): both present the step with one sequence of elements.
+struct ChannelsLastPair {
+  torch::Tensor weight, memory;
+  explicit ChannelsLastPair(torch::IntArrayRef sizes = {64, 32, 3, 3}) {
+    const auto values = torch::randn(sizes);
+    weight = values.contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+    memory = values.permute({0, 2, 3, 1}).contiguous().requires_grad_();
+  }
+  void new_gradients() {
+    const auto g = torch::randn(weight.sizes());
+    weight.mutable_grad() = g.contiguous(torch::MemoryFormat::ChannelsLast);  // what autograd gives it
+    memory.mutable_grad() = g.permute({0, 2, 3, 1}).contiguous();
+  }
+  static torch::Tensor as_weight(const torch::Tensor& t) { return t.permute({0, 3, 1, 2}); }
+};
+
+const QuantizedParamState& state_of(const torch::optim::Optimizer& opt, const torch::Tensor& p) {
+  return static_cast<const QuantizedParamState&>(*opt.state().at(p.unsafeGetTensorImpl()));
+}
+
+TEST(ChannelsLast, StepsTheWeightWhereItLiesWithoutCopies) {
+  // Every rule, 8-bit, 4-bit and fp32 state: the state follows the weight's memory, so the step is that of
+  // the row-major tensor laid out as that memory, bit for bit, and allocates nothing once the state exists.
+  for (int rule = 0; rule < 7; ++rule) {
+    for (const int64_t min_8bit : {int64_t{4096}, int64_t{1} << 40}) {
+      const std::string where = "rule " + std::to_string(rule) + ", 8-bit from " + std::to_string(min_8bit);
+      torch::manual_seed(rule);
+      ChannelsLastPair pair;
+      const auto a = optimizer_of_rule(rule, {pair.weight}, 256, min_8bit);
+      const auto b = optimizer_of_rule(rule, {pair.memory}, 256, min_8bit);
+      const void* where_it_lies = pair.weight.data_ptr();
+      for (int t = 0; t < 3; ++t) {
+        pair.new_gradients();
+        const int64_t live = memory_stats(torch::kCPU).current;
+        reset_peak(torch::kCPU);
+        a->step();
+        if (t > 0) EXPECT_EQ(memory_stats(torch::kCPU).peak, live) << where << ": the step allocated";
+        b->step();
+      }
+      EXPECT_TRUE(torch::equal(pair.weight.detach(), ChannelsLastPair::as_weight(pair.memory.detach())))
+          << where;
+      EXPECT_EQ(pair.weight.data_ptr(), where_it_lies) << where;
+      EXPECT_TRUE(pair.weight.is_contiguous(torch::MemoryFormat::ChannelsLast)) << where;
+      EXPECT_EQ(state_of(*a, pair.weight).strides(), pair.weight.strides().vec()) << where;
+      const auto sa = static_cast<LowBitOptimizer&>(*a).state_fp32(pair.weight);
+      const auto sb = static_cast<LowBitOptimizer&>(*b).state_fp32(pair.memory);
+      ASSERT_EQ(sa.size(), sb.size()) << where;
+      for (size_t i = 0; i < sa.size(); ++i) {
+        EXPECT_EQ(sa[i].sizes(), pair.weight.sizes()) << where;
+        EXPECT_TRUE(torch::equal(sa[i], ChannelsLastPair::as_weight(sb[i]))) << where;
+      }
+    }
+  }
+}
+
+TEST(ChannelsLast, ForcingThirtyTwoBitStateKeepsItsOrder) {
+  ChannelsLastPair pair;
+  AdamW8bit opt(std::vector<torch::Tensor>{pair.weight});
+  pair.new_gradients();
+  opt.step();
+  const auto before = opt.state_fp32(pair.weight);
+  opt.force_32bit(pair.weight);
+  const auto after = opt.state_fp32(pair.weight);
+  EXPECT_FALSE(state_of(opt, pair.weight).quantized());
+  EXPECT_EQ(state_of(opt, pair.weight).strides(), pair.weight.strides().vec());
+  EXPECT_TRUE(torch::equal(before[0], after[0]));
+  EXPECT_TRUE(torch::equal(before[1], after[1]));
+  const int64_t live = memory_stats(torch::kCPU).current;
+  reset_peak(torch::kCPU);
+  opt.step();
+  EXPECT_EQ(memory_stats(torch::kCPU).peak, live);
+}
+
+TEST(ChannelsLast, SavedStateStepsTheSameUnderEitherLayout) {
+  // A channels_last weight's state loaded for the same weight kept row-major: the state keeps its order and
+  // the weight steps through a copy laid out as it, giving the same bits.
+  ChannelsLastPair pair;
+  AdamW8bit a(std::vector<torch::Tensor>{pair.weight});
+  for (int t = 0; t < 2; ++t) {
+    pair.new_gradients();
+    a.step();
+  }
+  auto row_major = pair.weight.detach().contiguous().requires_grad_();
+  AdamW8bit b(std::vector<torch::Tensor>{row_major});
+  load(b, saved_bytes(a));
+  EXPECT_TRUE(state_of(a, pair.weight) == state_of(b, row_major));
+  for (int t = 0; t < 2; ++t) {
+    const auto g = torch::randn(row_major.sizes());
+    pair.weight.mutable_grad() = g.contiguous(torch::MemoryFormat::ChannelsLast);
+    row_major.mutable_grad() = g.clone();
+    a.step();
+    b.step();
+  }
+  EXPECT_TRUE(torch::equal(row_major.detach(), pair.weight.detach()));
+  EXPECT_TRUE(row_major.is_contiguous());
+
+  // And the other way: row-major state (all state before it followed memory, and any saved by then) for a
+  // weight now in channels_last.
+  auto plain = torch::randn({64, 32, 3, 3}).requires_grad_();
+  AdamW8bit c(std::vector<torch::Tensor>{plain});
+  plain.mutable_grad() = torch::randn_like(plain);
+  c.step();
+  auto cl = plain.detach().contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+  AdamW8bit d(std::vector<torch::Tensor>{cl});
+  load(d, saved_bytes(c));
+  EXPECT_TRUE(state_of(d, cl).strides().empty());
+  const auto g = torch::randn(plain.sizes());
+  plain.mutable_grad() = g.clone();
+  cl.mutable_grad() = g.contiguous(torch::MemoryFormat::ChannelsLast);
+  c.step();
+  d.step();
+  EXPECT_TRUE(torch::equal(cl.detach(), plain.detach()));
+  EXPECT_TRUE(cl.is_contiguous(torch::MemoryFormat::ChannelsLast));
+}
+
+TEST(ChannelsLast, AFileWhoseOrderFitsNoLayoutOfTheParameterChangesNothing) {
+  ChannelsLastPair pair;  // strides {288, 1, 96, 32}
+  AdamW8bit a(std::vector<torch::Tensor>{pair.weight});
+  pair.new_gradients();
+  a.step();
+  auto other = torch::randn({64, 32, 9, 1}).requires_grad_();  // as many elements; those strides overlap it
+  AdamW8bit b(std::vector<torch::Tensor>{other});
+  other.mutable_grad() = torch::randn_like(other);
+  b.step();
+  const std::string before = saved_bytes(b);
+  try {
+    load(b, saved_bytes(a));
+    FAIL() << "loaded a state whose order does not fit";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("strides [288, 1, 96, 32]"), std::string::npos)
+        << e.what_without_backtrace();
+  }
+  EXPECT_EQ(saved_bytes(b), before);
+}
+
 TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   // every rule and storage type, 8-bit and 4-bit, blocks stepped by one warp (64, 256) and by a whole thread
@@ -921,6 +1080,26 @@ TEST(Cuda, StepsAreBitIdenticalToTheCpu) {
         }
       }
     }
+  }
+}
+
+TEST(Cuda, ChannelsLastWeightsStepWhereTheyLieAsOnTheCpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  for (int rule = 0; rule < 7; ++rule) {
+    torch::manual_seed(6);
+    ChannelsLastPair cpu;
+    auto gpu = cpu.weight.detach().cuda().requires_grad_();  // keeps the layout
+    ASSERT_TRUE(gpu.is_contiguous(torch::MemoryFormat::ChannelsLast));
+    const auto a = optimizer_of_rule(rule, {cpu.weight}, 256, 4096);
+    const auto b = optimizer_of_rule(rule, {gpu}, 256, 4096);
+    for (int t = 0; t < 3; ++t) {
+      cpu.new_gradients();
+      gpu.mutable_grad() = cpu.weight.grad().cuda();
+      a->step();
+      b->step();
+    }
+    EXPECT_TRUE(torch::equal(cpu.weight.detach(), gpu.detach().cpu())) << "rule " << rule;
+    EXPECT_TRUE(state_of(*a, cpu.weight) == state_of(*b, gpu)) << "rule " << rule;
   }
 }
 

@@ -249,6 +249,11 @@ struct QuantizedParamState : torch::optim::OptimizerCloneableParamState<Quantize
   TORCH_ARG(int64_t, block_size) = 0;
   /// Bits per code of quantized state: 8 or 4.
   TORCH_ARG(int64_t, bits) = 8;
+  /// The order of the elements in `m` and `v` (and so in the blocks): entry k holds the element at offset k
+  /// of a tensor of the parameter's shape with these strides; empty: row-major. A parameter laid out densely
+  /// but not row-major (channels_last, a transpose) has state in its own memory order, so each step runs over
+  /// the parameter and its gradient as they lie, without copies.
+  TORCH_ARG(std::vector<int64_t>, strides);
 
  public:
   bool quantized() const { return block_size() > 0; }
@@ -283,8 +288,9 @@ class LowBitOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// Keeps `param`'s state in fp32 whatever its size; converts existing 8-bit state. A tensor that is not one
   /// of this optimizer's parameters is an error.
   void force_32bit(const torch::Tensor& param);
-  /// `param`'s state as fp32 tensors of its shape: {m} or {m, v}; empty before its first step. A tensor that
-  /// is not one of this optimizer's parameters is an error.
+  /// `param`'s state as fp32 tensors of its shape: {m} or {m, v} (laid out in memory as the state is: see
+  /// QuantizedParamState::strides); empty before its first step. A tensor that is not one of this optimizer's
+  /// parameters is an error.
   std::vector<torch::Tensor> state_fp32(const torch::Tensor& param) const;
   /// Every state tensor (codes, absmaxes, fp32 moments), for the memory meter.
   std::vector<torch::Tensor> state_tensors() const override;
