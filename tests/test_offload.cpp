@@ -654,6 +654,45 @@ void expect_save_and_load_resume_exactly(int bits) {
   EXPECT_TRUE(torch::equal(before, resumed->parameters()[0]));
 }
 
+TEST(Offload, ChannelsLastWeightsKeepTheirLayoutOnTheHost) {
+  // A channels_last weight's master and gradient buffer lie as it does, so its state follows the same memory
+  // order as the on-device optimizers' (QuantizedParamState::strides): the steps agree bit for bit, and the
+  // state passes between them as it is.
+  const auto channels_last = torch::MemoryFormat::ChannelsLast;
+  for (const int bits : {8, 4}) {
+    SCOPED_TRACE(std::to_string(bits) + "-bit state");
+    torch::manual_seed(3);
+    const auto values = torch::randn({64, 32, 3, 3});
+    auto offloaded = values.contiguous(channels_last).requires_grad_();
+    auto on_device = values.contiguous(channels_last).requires_grad_();
+    OffloadOptimizer opt({offloaded}, OffloadOptimizerOptions(1e-3).state_bits(bits));
+    const auto make = [bits](const torch::Tensor& p) -> std::unique_ptr<optim::LowBitOptimizer> {
+      if (bits == 4) return std::make_unique<optim::AdamW4bit>(std::vector<torch::Tensor>{p});
+      return std::make_unique<optim::AdamW8bit>(std::vector<torch::Tensor>{p});
+    };
+    const auto reference = make(on_device);
+    for (int t = 0; t < 5; ++t) {
+      const auto g = torch::randn(values.sizes()).contiguous(channels_last);
+      offloaded.mutable_grad() = g.clone();
+      on_device.mutable_grad() = g.clone();
+      opt.step();
+      reference->step();
+    }
+    EXPECT_TRUE(torch::equal(offloaded.detach(), on_device.detach()));
+    EXPECT_TRUE(offloaded.is_contiguous(channels_last));
+    const auto host = opt.host_state_tensors();
+    EXPECT_EQ(host.at(0).strides(), offloaded.strides());  // the master
+    EXPECT_EQ(host.at(1).strides(), offloaded.strides());  // the gradient buffer
+    auto copy = values.contiguous(channels_last).requires_grad_();
+    const auto target = make(copy);
+    optim::copy_state(opt, *target);
+    const auto state = [](const torch::optim::Optimizer& o, const torch::Tensor& p) -> const auto& {
+      return static_cast<const optim::QuantizedParamState&>(*o.state().at(p.unsafeGetTensorImpl()));
+    };
+    EXPECT_TRUE(state(*target, copy) == state(*reference, on_device));
+  }
+}
+
 TEST(Offload, SaveAndLoadResumeExactly) {
   for (const int bits : {32, 8, 4}) {
     SCOPED_TRACE(std::to_string(bits) + "-bit state");
