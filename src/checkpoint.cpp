@@ -298,7 +298,7 @@ class CheckpointNode : public torch::autograd::Function<CheckpointNode> {
     }
     if (r->options.offload_inputs()) {
       for (const at::Tensor& x : inputs) {
-        at::Tensor host = host_empty(x.sizes(), x.scalar_type());
+        at::Tensor host = detail::host_empty_like(x, x.scalar_type());
         host.copy_(x, /*non_blocking=*/x.is_cuda());
         detail::record_host_use(host, x.device());
         r->host_inputs.push_back(std::move(host));

@@ -220,9 +220,12 @@ struct StateAccess {
     const auto keep = [&](const torch::Tensor& t, torch::ScalarType dtype) {
       return r.fresh && !s.host_arena && t.device() == s.key.device() && t.scalar_type() == dtype;
     };
+    // The order `to`'s own step would give a new state: LibTorch's optimizers make their moments like the
+    // weight (a channels_last weight's are channels_last), memsave's follow state_order too.
+    const std::vector<int64_t> order = state_order(s.key);
     const auto like = [&](const torch::Tensor& t) {
-      if (keep(t, p.scalar_type()) && t.is_contiguous()) return t;
-      return t.to(p.device(), p.scalar_type(), /*non_blocking=*/false, /*copy=*/true).contiguous();
+      if (keep(t, p.scalar_type()) && lies_in(t, order)) return t;
+      return empty_in(p.sizes(), order, p.options()).copy_(t);
     };
     if (s.form != Form::kLowBit) moments(r, p);
     switch (s.form) {
@@ -250,7 +253,6 @@ struct StateAccess {
         p.numel() >= h.min_quantized_size && !o.forced_32bit_.count(s.key.unsafeGetTensorImpl());
     const auto on = torch::TensorOptions().device(s.key.device());
     const bool second = rule == StateRule::kAdam;
-    const std::vector<int64_t> order = state_order(s.key);  // as `to`'s own step would order it
     auto state = std::make_unique<QuantizedParamState>();
     state->step(r.step).strides(order);
     const QuantizedParamState* q = r.quantized;

@@ -361,6 +361,12 @@ at::Tensor host_empty(at::IntArrayRef sizes, at::ScalarType dtype) {
                                    std::nullopt);
 }
 
+at::Tensor detail::host_empty_like(const at::Tensor& t, at::ScalarType dtype) {
+  if (t.is_contiguous() || !t.is_non_overlapping_and_dense()) return host_empty(t.sizes(), dtype);
+  return at::detail::empty_strided_generic(t.sizes(), t.strides(), host_allocator(),
+                                           c10::DispatchKeySet(c10::DispatchKey::CPU), dtype);
+}
+
 namespace {
 
 /// Whether a storage is in `device`'s pool. On the CPU a storage that the meter did not allocate (made before

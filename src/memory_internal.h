@@ -1,5 +1,5 @@
-// What the rest of memsave needs from the meter's CUDA glue (src/memory_cuda.cpp, built with
-// MEMSAVE_WITH_CUDA).
+// What the rest of memsave needs from the meter (src/memory.cpp) and its CUDA glue (src/memory_cuda.cpp,
+// built with MEMSAVE_WITH_CUDA).
 #pragma once
 
 #include "../kernels/byte_pool.h"
@@ -40,6 +40,12 @@ void cuda_record_host_use(const at::Tensor& host, const c10::Stream& stream);
 /// cuda_record_host_use for a copy queued on the current stream of `device`; nothing for a CPU device or in a
 /// build without CUDA.
 void record_host_use(const at::Tensor& host, c10::Device device);
+
+/// host_empty of `t`'s shape and `dtype`, laid out as `t` when `t` fills its memory in some order (a
+/// channels_last activation or weight), row-major otherwise. A copy between the two is then one block each
+/// way (between layouts, LibTorch's copy off a CUDA device goes through a device buffer), and what comes back
+/// is laid out as `t` was.
+at::Tensor host_empty_like(const at::Tensor& t, at::ScalarType dtype);
 
 /// memsave::host_memory_available with the files it reads (/proc/meminfo, /proc/self/cgroup, /sys/fs/cgroup)
 /// under `root` ("" for the machine's own).

@@ -5,10 +5,9 @@
 #include "autograd_graph.h"
 #include "compat.h"
 #include "kernel_dtype.h"
-#include "optim_internal.h"
+#include "memory_internal.h"
 #include "step_room.h"
 #ifdef MEMSAVE_WITH_CUDA
-#include "memory_internal.h"
 #include "offload_internal.h"
 #endif
 
@@ -81,15 +80,6 @@ std::unique_ptr<optim::LowBitOptimizer> make_host(const std::vector<torch::Tenso
 
 torch::optim::AdamWOptions device_options(const OffloadOptimizerOptions& o) {
   return torch::optim::AdamWOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
-}
-
-/// A host-arena buffer of `p`'s shape, laid out as `p` when it is dense (as a channels_last weight): a copy
-/// between the two is then one block (between layouts, LibTorch's copy off a CUDA device takes a device
-/// buffer), and the master's state follows the same memory order as the on-device optimizers' state of `p`.
-torch::Tensor host_buffer_like(const torch::Tensor& p, torch::ScalarType dtype) {
-  const std::vector<int64_t> order = optim::detail::state_order(p);
-  torch::Tensor flat = host_empty({p.numel()}, dtype);
-  return optim::detail::in_shape(flat, p.sizes(), order);
 }
 
 /// Whether kernels/fingerprint.h reads `g`: fp32, bf16 or fp16 elements filling their memory, in any order
@@ -374,9 +364,10 @@ OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOpt
                 "); a parameter needs memory of its own");
     Offloaded o;
     o.param = p;
-    o.master = host_buffer_like(p, torch::kFloat);
-    o.grad = host_buffer_like(p, torch::kFloat);
-    if (p.is_cuda() && p.scalar_type() != torch::kFloat) o.staging = host_buffer_like(p, p.scalar_type());
+    o.master = detail::host_empty_like(p, torch::kFloat);
+    o.grad = detail::host_empty_like(p, torch::kFloat);
+    if (p.is_cuda() && p.scalar_type() != torch::kFloat)
+      o.staging = detail::host_empty_like(p, p.scalar_type());
     {
       torch::NoGradGuard no_grad;
       o.master.copy_(p);

@@ -414,6 +414,25 @@ TEST(Checkpoint, OffloadedInputsLiveInTheHostArenaAndGiveTheSameGradients) {
   EXPECT_EQ(host_memory_stats().current, host_before);
 }
 
+TEST(Checkpoint, ChannelsLastInputsAreRecomputedInTheirLayoutFromTheDeviceOrTheHost) {
+  // A channels_last model recomputes each piece on channels_last inputs, as its forward ran: a row-major copy
+  // back from the host would run its convolutions in the other layout (another kernel, other rounding).
+  install_meter();
+  for (bool offload : {false, true}) {
+    SCOPED_TRACE(offload ? "inputs offloaded" : "inputs kept");
+    auto [plain, wrapped] = twins(cnn_with_batchnorm_and_dropout);
+    for (auto* model : {&plain, &wrapped})
+      for (auto& p : (*model)->parameters())
+        if (p.dim() == 4) p.set_data(p.detach().contiguous(torch::MemoryFormat::ChannelsLast));
+    auto net = checkpoint_sequential(wrapped, 10, CheckpointOptions().offload_inputs(offload));
+    const auto x = torch::randn({4, 3, 6, 6}).contiguous(torch::MemoryFormat::ChannelsLast);
+    const auto expected = train_step(plain, x, sum_squares);
+    const auto actual = train_step(net, x, sum_squares);
+    expect_bit_identical(expected, actual);
+    for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(expected[i].strides(), actual[i].strides()) << i;
+  }
+}
+
 TEST(Checkpoint, PeakActivationMemoryFallsWithSegments) {
   install_meter();
   // 16 × (Linear, Tanh) of width 256 on 4096 rows: each layer output is 4 MiB, each weight 256 KiB, so

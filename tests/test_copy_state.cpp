@@ -313,6 +313,51 @@ TEST(CopyState, QuantizesChannelsLastWeightsInTheirMemoryOrder) {
   }
 }
 
+TEST(CopyState, IntoLibTorchsOptimizersLaysMomentsOutAsTheirOwnStepDoes) {
+  // LibTorch's Adam, AdamW and SGD make a weight's moments like the weight (channels_last for a channels_last
+  // weight): converted state takes the layout their first step would have given it, so that their later steps
+  // run over tensors laid out alike.
+  const auto channels_last = [](const torch::Tensor& t) {
+    return t.detach().contiguous(torch::MemoryFormat::ChannelsLast).requires_grad_();
+  };
+  torch::manual_seed(7);
+  const Params a = {channels_last(torch::randn({64, 32, 3, 3}))};
+  const Make sgd = [](const Params& p) {
+    return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(1e-2).momentum(0.9));
+  };
+  const Make sgd8 = [](const Params& p) {
+    return std::make_unique<SGD8bit>(p, SGD8bitOptions(1e-2).momentum(0.9));
+  };
+  const auto train_like_autograd = [](torch::optim::Optimizer& o, const Params& p, int steps) {
+    for (int t = 1; t <= steps; ++t) {  // gradients laid out as their weights, as autograd lays them out
+      p[0].mutable_grad() = torch::empty_like(p[0]).copy_(gradient(p[0], 0, t));
+      o.step();
+    }
+  };
+  for (const auto& [lowbit, libtorch] : {std::pair{adamw8(), adamw()}, std::pair{sgd8, sgd}}) {
+    auto from = lowbit(a);
+    train_like_autograd(*from, a, 3);
+    const Params own = {channels_last(a[0])}, converted = {channels_last(a[0])};
+    auto reference = libtorch(own);
+    train_like_autograd(*reference, own, 1);
+    auto to = libtorch(converted);
+    copy_state(*from, *to);
+    const auto moments = [](const torch::optim::Optimizer& o, const torch::Tensor& p) {
+      const auto& state = *o.state().at(p.unsafeGetTensorImpl());
+      if (const auto* adam = dynamic_cast<const torch::optim::AdamWParamState*>(&state))
+        return Params{adam->exp_avg(), adam->exp_avg_sq()};
+      return Params{static_cast<const torch::optim::SGDParamState&>(state).momentum_buffer()};
+    };
+    const Params expected = moments(*reference, own[0]), actual = moments(*to, converted[0]);
+    const Params values = static_cast<LowBitOptimizer&>(*from).state_fp32(a[0]);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t i = 0; i < actual.size(); ++i) {
+      EXPECT_EQ(actual[i].strides(), expected[i].strides()) << "moment " << i;
+      EXPECT_TRUE(torch::equal(actual[i], values[i])) << "moment " << i;
+    }
+  }
+}
+
 /// `fp32` (LibTorch's Adam or AdamW, whose state type is `State`) holds for each parameter exactly what
 /// `quantized` reads back as, after `steps` steps.
 template <typename State>
