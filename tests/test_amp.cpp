@@ -81,8 +81,12 @@ TEST(GradScaler, ChecksAChannelsLastGradientWhereItLies) {
     const int64_t live = memory_stats(torch::kCPU).current;
     reset_peak(torch::kCPU);
     EXPECT_EQ(scaler.step(opt), !poisoned) << step;
-    if (step++ > 0) EXPECT_LT(memory_stats(torch::kCPU).peak - live, 4096) << step;  // the gradient: 73,728 B
-    if (poisoned) EXPECT_TRUE(torch::equal(w.detach(), before));
+    if (step++ > 0) {
+      EXPECT_LT(memory_stats(torch::kCPU).peak - live, 4096) << step;  // the gradient: 73,728 B
+    }
+    if (poisoned) {
+      EXPECT_TRUE(torch::equal(w.detach(), before));
+    }
     scaler.update();
   }
 }

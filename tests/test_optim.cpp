@@ -941,7 +941,9 @@ TEST(ChannelsLast, StepsTheWeightWhereItLiesWithoutCopies) {
         const int64_t live = memory_stats(torch::kCPU).current;
         reset_peak(torch::kCPU);
         a->step();
-        if (t > 0) EXPECT_EQ(memory_stats(torch::kCPU).peak, live) << where << ": the step allocated";
+        if (t > 0) {
+          EXPECT_EQ(memory_stats(torch::kCPU).peak, live) << where << ": the step allocated";
+        }
         b->step();
       }
       EXPECT_TRUE(torch::equal(pair.weight.detach(), ChannelsLastPair::as_weight(pair.memory.detach())))
