@@ -5,10 +5,12 @@
 #include <ATen/autocast_mode.h>
 #include <c10/core/Allocator.h>
 #include <torch/csrc/autograd/variable.h>
+#include <torch/optim/optimizer.h>
 #include <torch/version.h>
 
 #include <cstring>
 #include <utility>
+#include <vector>
 
 #define MEMSAVE_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -32,6 +34,17 @@ class Allocator : public c10::Allocator {
   }
 #endif
 };
+
+/// Gives each group built by torch::optim::Optimizer's constructor or add_param_group (`built`) the options
+/// it asked for (`asked`, in the same order). LibTorch 2.15 (not yet 2.11) builds a group's options as the
+/// defaults merged with the group's, and for optimizers other than its own keeps the defaults alone: every
+/// group of a memsave optimizer would run with the defaults (a group without weight decay, say, would decay).
+inline void keep_group_options(std::vector<torch::optim::OptimizerParamGroup>& built,
+                               const std::vector<torch::optim::OptimizerParamGroup>& asked) {
+  for (size_t g = 0; g < asked.size() && g < built.size(); ++g) {
+    if (asked[g].has_options()) built[g].set_options(asked[g].options().clone());
+  }
+}
 
 /// Autocast state per device type: from 2.4 one function takes the device type; before, one per device.
 inline bool autocast_enabled(c10::DeviceType device) {

@@ -131,14 +131,19 @@ struct StateAccess {
     if (offload->host_) own_slots(*offload->host_, /*host_arena=*/true, role, host);
     if (offload->device_) own_slots(*offload->device_, /*host_arena=*/false, role, device);
     size_t next_host = 0, next_device = 0;
-    for (const auto& p : o.param_groups().front().params()) {
-      if (next_host < offload->offloaded_.size() && offload->offloaded_[next_host].param.is_same(p)) {
-        Slot slot = host[next_host++];
-        slot.param = p;  // keyed by the master, shaped as the parameter
-        out.push_back(slot);
-      } else {
-        TORCH_INTERNAL_ASSERT(next_device < device.size() && device[next_device].param.is_same(p));
-        out.push_back(device[next_device++]);
+    TORCH_CHECK(o.param_groups().size() == offload->host_group_.size(), "copy_state: ", role, " has ",
+                o.param_groups().size() - offload->host_group_.size(),
+                " parameter group(s) added after construction, which it keeps no state for");
+    for (const auto& group : o.param_groups()) {
+      for (const auto& p : group.params()) {
+        if (next_host < offload->offloaded_.size() && offload->offloaded_[next_host].param.is_same(p)) {
+          Slot slot = host[next_host++];
+          slot.param = p;  // keyed by the master, shaped as the parameter
+          out.push_back(slot);
+        } else {
+          TORCH_INTERNAL_ASSERT(next_device < device.size() && device[next_device].param.is_same(p));
+          out.push_back(device[next_device++]);
+        }
       }
     }
     return StateRule::kAdam;

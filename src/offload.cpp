@@ -72,14 +72,77 @@ optim::AdamW4bitOptions host_options_4bit(const OffloadOptimizerOptions& o) {
   return optim::AdamW4bitOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
 }
 
-std::unique_ptr<optim::LowBitOptimizer> make_host(const std::vector<torch::Tensor>& masters,
-                                                  const OffloadOptimizerOptions& o) {
-  if (o.state_bits() == 4) return std::make_unique<optim::AdamW4bit>(masters, host_options_4bit(o));
-  return std::make_unique<optim::AdamW8bit>(masters, host_options(o));
-}
-
 torch::optim::AdamWOptions device_options(const OffloadOptimizerOptions& o) {
   return torch::optim::AdamWOptions(o.lr()).betas(o.betas()).eps(o.eps()).weight_decay(o.weight_decay());
+}
+
+/// The options of the first `count` parameter groups.
+std::vector<OffloadOptimizerOptions> options_of(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                                size_t count) {
+  std::vector<OffloadOptimizerOptions> out;
+  for (size_t g = 0; g < count; ++g)
+    out.push_back(static_cast<const OffloadOptimizerOptions&>(groups[g].options()));
+  return out;
+}
+
+/// Checks the options of parameter group g: this optimizer's kind, valid, and storing state as group 0's do.
+void check_group(const std::vector<torch::optim::OptimizerParamGroup>& groups, size_t g) {
+  const auto* o = dynamic_cast<const OffloadOptimizerOptions*>(&groups[g].options());
+  TORCH_CHECK(o != nullptr, "OffloadOptimizer: parameter group ", g,
+              " has the options of another optimizer; memsave::OffloadOptimizerOptions expected");
+  check_options(*o);
+  const auto& first = static_cast<const OffloadOptimizerOptions&>(groups.front().options());
+  TORCH_CHECK(o->state_bits() == first.state_bits() && o->min_offload_size() == first.min_offload_size() &&
+                  o->copy_during_backward() == first.copy_during_backward() &&
+                  o->step_during_backward() == first.step_during_backward(),
+              "OffloadOptimizer: parameter group ", g, " keeps its state otherwise than group 0 (state_bits ",
+              o->state_bits(), " and ", first.state_bits(), ", min_offload_size ", o->min_offload_size(),
+              " and ", first.min_offload_size(), ", copy_during_backward ", o->copy_during_backward(),
+              " and ", first.copy_during_backward(), ", step_during_backward ", o->step_during_backward(),
+              " and ", first.step_during_backward(), "); these options must be the same in every group");
+}
+
+/// For each group of `by_group`, its index among the groups that hold tensors, or -1 for an empty one.
+std::vector<int64_t> index_of_non_empty(const std::vector<std::vector<torch::Tensor>>& by_group) {
+  std::vector<int64_t> out;
+  int64_t next = 0;
+  for (const auto& tensors : by_group) out.push_back(tensors.empty() ? -1 : next++);
+  return out;
+}
+
+/// The host optimizer over the masters of each parameter group (masters[g], with the hyper-parameters of
+/// options[g]; groups without masters are left out): AdamW4bit's update for 4-bit state, AdamW8bit's
+/// otherwise (8-bit blockwise state, or fp32 state through the same fused kernels when no tensor is large
+/// enough to quantize). Null without masters.
+std::unique_ptr<optim::LowBitOptimizer> make_host(const std::vector<std::vector<torch::Tensor>>& masters,
+                                                  const std::vector<OffloadOptimizerOptions>& options) {
+  const bool four = options.front().state_bits() == 4;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (size_t g = 0; g < masters.size(); ++g) {
+    if (masters[g].empty()) continue;
+    std::unique_ptr<torch::optim::OptimizerOptions> hyper;
+    if (four) {
+      hyper = std::make_unique<optim::AdamW4bitOptions>(host_options_4bit(options[g]));
+    } else {
+      hyper = std::make_unique<optim::AdamW8bitOptions>(host_options(options[g]));
+    }
+    groups.emplace_back(masters[g], std::move(hyper));
+  }
+  if (groups.empty()) return nullptr;
+  if (four) return std::make_unique<optim::AdamW4bit>(groups, host_options_4bit(options.front()));
+  return std::make_unique<optim::AdamW8bit>(groups, host_options(options.front()));
+}
+
+/// LibTorch's AdamW over the small tensors of each group (small[g]), likewise; null without any.
+std::unique_ptr<torch::optim::AdamW> make_device(const std::vector<std::vector<torch::Tensor>>& small,
+                                                 const std::vector<OffloadOptimizerOptions>& options) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (size_t g = 0; g < small.size(); ++g) {
+    if (small[g].empty()) continue;
+    groups.emplace_back(small[g], std::make_unique<torch::optim::AdamWOptions>(device_options(options[g])));
+  }
+  if (groups.empty()) return nullptr;
+  return std::make_unique<torch::optim::AdamW>(groups, device_options(options.front()));
 }
 
 /// Whether kernels/fingerprint.h reads `g`: fp32, bf16 or fp16 elements filling their memory, in any order
@@ -333,50 +396,71 @@ bool operator==(const OffloadOptimizerOptions& a, const OffloadOptimizerOptions&
 }
 
 OffloadOptimizer::OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options)
-    : Optimizer({torch::optim::OptimizerParamGroup(params)},
-                std::make_unique<OffloadOptimizerOptions>(options)) {
-  check_options(options);
-  TORCH_CHECK(!params.empty(), "OffloadOptimizer: no parameters");
-  const c10::Device device = params.front().device();
+    : OffloadOptimizer(std::vector<torch::optim::OptimizerParamGroup>{torch::optim::OptimizerParamGroup(
+                           std::move(params))},
+                       std::move(options)) {}
+
+OffloadOptimizer::OffloadOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                   OffloadOptimizerOptions defaults)
+    : Optimizer(groups, std::make_unique<OffloadOptimizerOptions>(defaults)) {
+  compat::keep_group_options(param_groups_, groups);
+  check_options(defaults);
+  TORCH_CHECK(!param_groups_.empty(), "OffloadOptimizer: no parameter groups");
+  for (size_t g = 0; g < param_groups_.size(); ++g) check_group(param_groups_, g);
+  const OffloadOptimizerOptions options = this->options();  // the storage options, the same in every group
+  const torch::Tensor* front = nullptr;
+  for (const auto& group : param_groups_)
+    if (front == nullptr && !group.params().empty()) front = &group.params().front();
+  TORCH_CHECK(front != nullptr, "OffloadOptimizer: no parameters");
+  const c10::Device device = front->device();
   std::unordered_set<const c10::TensorImpl*> seen;
-  std::vector<torch::Tensor> masters, small;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const torch::Tensor& p = params[i];
-    TORCH_CHECK(p.defined() && p.is_leaf(), "OffloadOptimizer: parameter ", i, " is not a leaf tensor");
-    TORCH_CHECK(p.device() == device, "OffloadOptimizer: the parameters are on several devices (", device,
-                " and ", p.device(), " for parameter ", i, ")");
-    TORCH_CHECK(p.is_floating_point(), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
-                ", not floating point");
-    TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "OffloadOptimizer: parameter ", i,
-                " is listed twice (a module used twice appears twice in LibTorch's parameters(): "
-                "memsave::unique_parameters(model->parameters()) lists it once)");
-    if (p.numel() < options.min_offload_size()) {
-      small.push_back(p);
-      continue;
+  std::vector<std::vector<torch::Tensor>> masters(param_groups_.size()), small(param_groups_.size());
+  size_t i = 0;  // the parameter's place over all groups, for the messages
+  for (size_t g = 0; g < param_groups_.size(); ++g) {
+    for (const torch::Tensor& p : param_groups_[g].params()) {
+      TORCH_CHECK(p.defined() && p.is_leaf(), "OffloadOptimizer: parameter ", i, " is not a leaf tensor");
+      TORCH_CHECK(p.device() == device, "OffloadOptimizer: the parameters are on several devices (", device,
+                  " and ", p.device(), " for parameter ", i, ")");
+      TORCH_CHECK(p.is_floating_point(), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
+                  ", not floating point");
+      TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "OffloadOptimizer: parameter ", i,
+                  " is listed twice (a module used twice appears twice in LibTorch's parameters(): "
+                  "memsave::unique_parameters(model->parameters()) lists it once)");
+      if (p.numel() < options.min_offload_size()) {
+        small[g].push_back(p);
+        ++i;
+        continue;
+      }
+      // Its fp32 master is the weight it gets back: a wider type would lose precision at every step, and an
+      // expanded tensor has no room for the copy back.
+      TORCH_CHECK(
+          kernel_dtype(p.scalar_type()), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
+          "; an offloaded parameter must be float32, float16 or bfloat16 (its master weights are fp32)");
+      TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, "OffloadOptimizer: parameter ", i,
+                  " has elements that share memory (an expanded tensor, strides ", p.strides(),
+                  "); a parameter needs memory of its own");
+      Offloaded o;
+      o.param = p;
+      o.group = g;
+      o.master = detail::host_empty_like(p, torch::kFloat);
+      o.grad = detail::host_empty_like(p, torch::kFloat);
+      if (p.is_cuda() && p.scalar_type() != torch::kFloat)
+        o.staging = detail::host_empty_like(p, p.scalar_type());
+      {
+        torch::NoGradGuard no_grad;
+        o.master.copy_(p);
+      }
+      masters[g].push_back(o.master);
+      offloaded_.push_back(std::move(o));
+      ++i;
     }
-    // Its fp32 master is the weight it gets back: a wider type would lose precision at every step, and an
-    // expanded tensor has no room for the copy back.
-    TORCH_CHECK(
-        kernel_dtype(p.scalar_type()), "OffloadOptimizer: parameter ", i, " is ", p.scalar_type(),
-        "; an offloaded parameter must be float32, float16 or bfloat16 (its master weights are fp32)");
-    TORCH_CHECK(at::has_internal_overlap(p) != at::MemOverlap::Yes, "OffloadOptimizer: parameter ", i,
-                " has elements that share memory (an expanded tensor, strides ", p.strides(),
-                "); a parameter needs memory of its own");
-    Offloaded o;
-    o.param = p;
-    o.master = detail::host_empty_like(p, torch::kFloat);
-    o.grad = detail::host_empty_like(p, torch::kFloat);
-    if (p.is_cuda() && p.scalar_type() != torch::kFloat)
-      o.staging = detail::host_empty_like(p, p.scalar_type());
-    {
-      torch::NoGradGuard no_grad;
-      o.master.copy_(p);
-    }
-    masters.push_back(o.master);
-    offloaded_.push_back(std::move(o));
   }
-  if (!masters.empty()) host_ = make_host(masters, options);
-  if (!small.empty()) device_ = std::make_unique<torch::optim::AdamW>(small, device_options(options));
+  const std::vector<OffloadOptimizerOptions> hyper = options_of(param_groups_, param_groups_.size());
+  host_group_ = index_of_non_empty(masters);
+  device_group_ = index_of_non_empty(small);
+  host_ = make_host(masters, hyper);
+  device_ = make_device(small, hyper);
+  small_ = std::move(small);
   if ((options.copy_during_backward() || options.step_during_backward()) && !offloaded_.empty()) {
     // NOTE: the optimizer holds each parameter's gradient accumulator, so every later graph uses the same
     // node and its hook (a parameter keeps only a weak reference to it).
@@ -449,29 +533,36 @@ const OffloadOptimizerOptions& OffloadOptimizer::options() const {
 }
 
 void OffloadOptimizer::sync_hyper_parameters() {
-  check_options(options());
+  // (over the groups it was built with; step() refuses groups added since)
+  for (size_t g = 0; g < host_group_.size(); ++g) check_group(param_groups_, g);
   if (host_) {
     // The host optimizer's kind is fixed when it is made: state_bits may move between 32 and 8 (which sets
     // the size from which new state is 8-bit), not to or from 4.
     TORCH_CHECK((options().state_bits() == 4) == (host_->bits() == 4), "OffloadOptimizer: state_bits ",
                 options().state_bits(), " cannot replace the ", host_->bits() == 4 ? "4" : "8 or 32",
                 " the optimizer was made with");
-    torch::optim::OptimizerOptions& host = host_->param_groups().front().options();
-    if (host_->bits() == 4) {
-      static_cast<optim::AdamW4bitOptions&>(host) = host_options_4bit(options());
-    } else {
-      static_cast<optim::AdamW8bitOptions&>(host) = host_options(options());
-    }
   }
-  if (device_) {
-    static_cast<torch::optim::AdamWOptions&>(device_->param_groups().front().options()) =
-        device_options(options());
+  for (size_t g = 0; g < host_group_.size(); ++g) {
+    const auto& o = static_cast<const OffloadOptimizerOptions&>(param_groups_[g].options());
+    if (host_group_[g] >= 0) {
+      torch::optim::OptimizerOptions& host = host_->param_groups()[host_group_[g]].options();
+      if (host_->bits() == 4) {
+        static_cast<optim::AdamW4bitOptions&>(host) = host_options_4bit(o);
+      } else {
+        static_cast<optim::AdamW8bitOptions&>(host) = host_options(o);
+      }
+    }
+    if (device_group_[g] >= 0) {
+      static_cast<torch::optim::AdamWOptions&>(device_->param_groups()[device_group_[g]].options()) =
+          device_options(o);
+    }
   }
 }
 
 torch::Tensor OffloadOptimizer::step(LossClosure closure) {
   // Its masters, state and hooks are made for the parameters it was built over.
-  TORCH_CHECK(param_groups_.size() == 1, "OffloadOptimizer: ", param_groups_.size() - 1,
+  TORCH_CHECK(param_groups_.size() == host_group_.size(),
+              "OffloadOptimizer: ", param_groups_.size() - host_group_.size(),
               " parameter group(s) added after construction (add_param_group), whose parameters it has no "
               "master weights or state for; build it over all the parameters");
   torch::NoGradGuard no_grad;
@@ -646,10 +737,19 @@ bool OffloadOptimizer::offloaded(const torch::Tensor& param) const {
   return false;
 }
 
+/// Where the options of parameter group g are saved ("offload/options" for the first, as in files from before
+/// there were groups).
+std::string options_key(size_t g) {
+  return g == 0 ? "offload/options" : "offload/options" + std::to_string(g);
+}
+
 void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
-  torch::serialize::OutputArchive options_archive;
-  options().serialize(options_archive);
-  archive.write("offload/options", options_archive);
+  for (size_t g = 0; g < host_group_.size(); ++g) {
+    torch::serialize::OutputArchive options_archive;
+    static_cast<const OffloadOptimizerOptions&>(param_groups_[g].options()).serialize(options_archive);
+    archive.write(options_key(g), options_archive);
+  }
+  if (host_group_.size() > 1) archive.write("offload/groups", static_cast<int64_t>(host_group_.size()));
   archive.write("offload/count", static_cast<int64_t>(offloaded_.size()));
   for (size_t i = 0; i < offloaded_.size(); ++i)
     archive.write("offload/master" + std::to_string(i), offloaded_[i].master);
@@ -679,45 +779,66 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
                 master.sizes(), ", expected Float ", offloaded_[i].master.sizes());
     masters.push_back(master);
   }
-  // The options saved (files from before they were have none: this optimizer's).
-  OffloadOptimizerOptions saved = options();
-  torch::serialize::InputArchive options_archive;
-  if (archive.try_read("offload/options", options_archive)) {
-    saved.serialize(options_archive);
-    check_options(saved);
+  // The options saved, group by group (files from before they were have none: this optimizer's; files from
+  // before groups, one group's).
+  const size_t groups = host_group_.size();
+  c10::IValue groups_value;
+  const int64_t file_groups =
+      archive.try_read("offload/groups", groups_value) && groups_value.isInt() ? groups_value.toInt() : 1;
+  TORCH_CHECK(file_groups == static_cast<int64_t>(groups), "OffloadOptimizer::load: the file has ",
+              file_groups, " parameter group(s), this optimizer ", groups);
+  const std::vector<OffloadOptimizerOptions> current = options_of(param_groups_, groups);
+  std::vector<OffloadOptimizerOptions> saved = current;
+  for (size_t g = 0; g < groups; ++g) {
+    torch::serialize::InputArchive options_archive;
+    if (archive.try_read(options_key(g), options_archive)) {
+      saved[g].serialize(options_archive);
+      check_options(saved[g]);
+      TORCH_CHECK(saved[g].state_bits() == saved.front().state_bits(),
+                  "OffloadOptimizer::load: the file's group ", g, " has state_bits ", saved[g].state_bits(),
+                  ", its group 0 ", saved.front().state_bits());
+    } else {
+      TORCH_CHECK(g == 0, "OffloadOptimizer::load: the file has no options for parameter group ", g);
+    }
   }
+  std::vector<std::vector<torch::Tensor>> masters_by_group(groups);
+  for (const Offloaded& o : offloaded_) masters_by_group[o.group].push_back(o.master);
   std::unique_ptr<optim::LowBitOptimizer> host;
   if (host_) {
-    std::vector<torch::Tensor> params;
-    for (const Offloaded& o : offloaded_) params.push_back(o.master);
     torch::serialize::InputArchive inner;
     archive.read("offload/host", inner);
     HostAllocationScope in_host;
     // State of another width (state_bits) is read as it was saved, then converted to this optimizer's.
     // NOTE: read into this optimizer's own, 32-bit state would stay fp32 under state_bits 8 and 8-bit state
     // would stay 8-bit under state_bits 32 (the state of a tensor keeps the format it was made with).
-    host = make_host(params, saved);
+    host = make_host(masters_by_group, saved);
     host->load(inner);
-    if (saved.state_bits() != options().state_bits()) {
-      std::unique_ptr<optim::LowBitOptimizer> converted = make_host(params, options());
+    if (saved.front().state_bits() != options().state_bits()) {
+      std::unique_ptr<optim::LowBitOptimizer> converted = make_host(masters_by_group, current);
       optim::copy_state(*host, *converted);
       host = std::move(converted);
     }
   }
   std::unique_ptr<torch::optim::AdamW> device;
   if (device_) {
-    device = std::make_unique<torch::optim::AdamW>(device_->param_groups().front().params(),
-                                                   device_options(options()));
+    device = make_device(small_, current);
     torch::serialize::InputArchive inner;
     archive.read("offload/device", inner);
     device->load(inner);
   }
   // The hyper-parameters saved; how this optimizer was made stays.
-  OffloadOptimizerOptions hyper = options();
-  hyper.lr(saved.lr()).betas(saved.betas()).eps(saved.eps()).weight_decay(saved.weight_decay());
+  std::vector<OffloadOptimizerOptions> hyper = current;
+  for (size_t g = 0; g < groups; ++g) {
+    hyper[g]
+        .lr(saved[g].lr())
+        .betas(saved[g].betas())
+        .eps(saved[g].eps())
+        .weight_decay(saved[g].weight_decay());
+  }
   // Commit, once the host thread of step_during_backward has stopped reading the state.
   discard_backward();
-  static_cast<OffloadOptimizerOptions&>(param_groups().front().options()) = hyper;
+  for (size_t g = 0; g < groups; ++g)
+    static_cast<OffloadOptimizerOptions&>(param_groups_[g].options()) = hyper[g];
   torch::NoGradGuard no_grad;
   for (int64_t i = 0; i < count; ++i) {
     offloaded_[i].master.copy_(masters[i]);

@@ -3,6 +3,7 @@
 #include "../kernels/optim_cpu.h"
 #include "../kernels/qmap.h"
 #include "archive.h"
+#include "compat.h"
 #include "kernel_dtype.h"
 #include "optim_internal.h"
 
@@ -421,12 +422,7 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
                                  std::unique_ptr<torch::optim::OptimizerOptions> defaults, Kind kind,
                                  int bits)
     : Optimizer(groups, std::move(defaults)), kind_(kind), bits_(bits) {
-  // A group's own options are what it asked for. LibTorch 2.15 (not yet 2.11) builds each group's options as
-  // the defaults merged with the group's, and for optimizers other than its own keeps the defaults alone:
-  // every group would run with the defaults (a group without weight decay, say, would decay).
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (groups[g].has_options()) param_groups_[g].set_options(groups[g].options().clone());
-  }
+  compat::keep_group_options(param_groups_, groups);
   // A misspelt cap would otherwise run the best level without a word (the kernels read it at start-up).
   const char* unknown_isa = k::unknown_cpu_isa_request();
   TORCH_CHECK(unknown_isa == nullptr, kind_name(static_cast<int32_t>(kind_), bits_),
@@ -438,6 +434,7 @@ LowBitOptimizer::LowBitOptimizer(const std::vector<torch::optim::OptimizerParamG
 
 void LowBitOptimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
   Optimizer::add_param_group(group);
+  // the options it asked for, as compat::keep_group_options gives a constructor's groups theirs
   if (group.has_options()) param_groups_.back().set_options(group.options().clone());
   try {
     check(hyper(param_groups_.back().options()), kind_);

@@ -104,6 +104,172 @@ TEST(Offload, StepIsBitIdenticalToTheSameKernelOnTheDevice) {
   }
 }
 
+/// Two parameter groups of four tensors: group 0 decays, group 1 does not and has its own lr and betas.
+struct TwoGroups {
+  using Group = torch::optim::OptimizerParamGroup;
+  std::vector<torch::Tensor> a, b;  // a: 5120 (8-bit state) and 50 elements; b: 4900 and 30
+  TwoGroups() {
+    torch::manual_seed(5);
+    a = {torch::randn({64, 80}).requires_grad_(), torch::randn({50}).requires_grad_()};
+    b = {torch::randn({70, 70}).requires_grad_(), torch::randn({30}).requires_grad_()};
+  }
+  TwoGroups(const TwoGroups& other) {
+    for (const auto& p : other.a) a.push_back(p.detach().clone().requires_grad_());
+    for (const auto& p : other.b) b.push_back(p.detach().clone().requires_grad_());
+  }
+  std::vector<torch::Tensor> all() const { return {a[0], a[1], b[0], b[1]}; }
+  /// min_offload_size 40: b[1] stays in the device's AdamW.
+  std::unique_ptr<OffloadOptimizer> offload(int64_t bits) const {
+    const auto storage = OffloadOptimizerOptions(1e-2).state_bits(bits).min_offload_size(40);
+    return std::make_unique<OffloadOptimizer>(
+        std::vector<Group>{
+            Group(a, std::make_unique<OffloadOptimizerOptions>(
+                         OffloadOptimizerOptions(storage).weight_decay(0.1))),
+            Group(b, std::make_unique<OffloadOptimizerOptions>(
+                         OffloadOptimizerOptions(storage).lr(3e-3).weight_decay(0).betas({0.8, 0.95})))},
+        storage);
+  }
+  void gradients(int t) const {
+    const auto ps = all();
+    for (size_t i = 0; i < ps.size(); ++i) {
+      torch::Generator gen = at::detail::createCPUGenerator(100 * t + i);
+      ps[i].mutable_grad() = torch::randn(ps[i].sizes(), gen);
+    }
+  }
+};
+
+TEST(Offload, ParameterGroupsStepWithTheirOwnHyperParameters) {
+  // The same groups stepped on the device by the same kernels: memsave's AdamW8bit (or AdamW4bit; fp32 state
+  // when nothing is quantized) for what is offloaded, LibTorch's AdamW for the tensor left on the device. A
+  // schedule that changes group 1's lr halfway changes it in both.
+  using Group = torch::optim::OptimizerParamGroup;
+  for (const int64_t bits : {32, 8, 4}) {
+    SCOPED_TRACE(std::to_string(bits) + " bits");
+    const TwoGroups offloaded, reference(offloaded);
+    auto opt = offloaded.offload(bits);
+    std::unique_ptr<optim::LowBitOptimizer> host;
+    const auto host_options = [&](double lr, double weight_decay, optim::betas_t betas) {
+      std::unique_ptr<torch::optim::OptimizerOptions> o;
+      if (bits == 4) {
+        o = std::make_unique<optim::AdamW4bitOptions>(
+            optim::AdamW4bitOptions(lr).weight_decay(weight_decay).betas(betas));
+      } else {
+        o = std::make_unique<optim::AdamW8bitOptions>(
+            optim::AdamW8bitOptions(lr)
+                .weight_decay(weight_decay)
+                .betas(betas)
+                .min_8bit_size(bits == 8 ? 4096 : std::numeric_limits<int64_t>::max()));
+      }
+      return o;
+    };
+    const std::vector<Group> host_groups = {Group(reference.a, host_options(1e-2, 0.1, {0.9, 0.999})),
+                                            Group({reference.b[0]}, host_options(3e-3, 0, {0.8, 0.95}))};
+    if (bits == 4) {
+      host = std::make_unique<optim::AdamW4bit>(host_groups);
+    } else {
+      host = std::make_unique<optim::AdamW8bit>(host_groups);
+    }
+    torch::optim::AdamW device({reference.b[1]},
+                               torch::optim::AdamWOptions(3e-3).weight_decay(0).betas({0.8, 0.95}));
+    for (int t = 0; t < 6; ++t) {
+      if (t == 3) {
+        opt->param_groups()[1].options().set_lr(1e-3);
+        host->param_groups()[1].options().set_lr(1e-3);
+        device.param_groups()[0].options().set_lr(1e-3);
+      }
+      offloaded.gradients(t);
+      reference.gradients(t);
+      opt->step();
+      host->step();
+      device.step();
+    }
+    const auto got = offloaded.all(), expected = reference.all();
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(torch::equal(got[i], expected[i])) << "parameter " << i;
+    EXPECT_EQ(opt->param_groups()[1].options().get_lr(), 1e-3);
+    EXPECT_EQ(opt->options().weight_decay(), 0.1);  // the first group's
+
+    // Saved and loaded group by group: a copy steps on as the original does.
+    std::stringstream file;
+    {
+      torch::serialize::OutputArchive out;
+      opt->save(out);
+      out.save_to(file);
+    }
+    const TwoGroups copy(offloaded);
+    auto resumed = copy.offload(bits);
+    {
+      torch::serialize::InputArchive in;
+      in.load_from(file);
+      resumed->load(in);
+    }
+    EXPECT_EQ(resumed->param_groups()[1].options().get_lr(), 1e-3);
+    // copy_state reads and writes group by group too.
+    const TwoGroups converted_params(offloaded);
+    auto converted = converted_params.offload(bits);
+    optim::copy_state(*opt, *converted);
+    converted->param_groups()[1].options().set_lr(1e-3);
+    for (int t = 6; t < 8; ++t) {
+      for (const TwoGroups* g : {&offloaded, &copy, &converted_params}) g->gradients(t);
+      opt->step();
+      resumed->step();
+      converted->step();
+    }
+    const auto resumed_params = copy.all(), converted_all = converted_params.all(),
+               original = offloaded.all();
+    for (size_t i = 0; i < original.size(); ++i) {
+      EXPECT_TRUE(torch::equal(resumed_params[i], original[i])) << "resumed, parameter " << i;
+      EXPECT_TRUE(torch::equal(converted_all[i], original[i])) << "converted, parameter " << i;
+    }
+    // A file of two groups does not load into an optimizer of one, which it leaves as it was.
+    OffloadOptimizer one(copy.all(), OffloadOptimizerOptions(1e-2).state_bits(bits).min_offload_size(40));
+    torch::serialize::InputArchive in;
+    file.seekg(0);
+    in.load_from(file);
+    try {
+      one.load(in);
+      ADD_FAILURE() << "no error";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("the file has 2 parameter group(s), this optimizer 1"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(Offload, GroupsThatWouldKeepTheirStateOtherwiseAreRefused) {
+  using Group = torch::optim::OptimizerParamGroup;
+  const auto p = torch::zeros({8}, torch::requires_grad()), q = torch::zeros({8}, torch::requires_grad());
+  const auto refused = [&](std::unique_ptr<torch::optim::OptimizerOptions> second,
+                           const std::string& message) {
+    std::vector<Group> groups = {Group({p}), Group({q}, std::move(second))};
+    try {
+      OffloadOptimizer opt(groups, OffloadOptimizerOptions(1e-2).state_bits(8));
+      ADD_FAILURE() << "no error for " << message;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  refused(std::make_unique<OffloadOptimizerOptions>(OffloadOptimizerOptions(1e-2).state_bits(4)),
+          "parameter group 1 keeps its state otherwise than group 0 (state_bits 4 and 8");
+  refused(std::make_unique<OffloadOptimizerOptions>(
+              OffloadOptimizerOptions(1e-2).state_bits(8).min_offload_size(4)),
+          "min_offload_size 4 and 0");
+  refused(std::make_unique<torch::optim::AdamWOptions>(1e-2),
+          "parameter group 1 has the options of another optimizer");
+  refused(std::make_unique<OffloadOptimizerOptions>(OffloadOptimizerOptions(-1).state_bits(8)),
+          "invalid learning rate: -1");
+  // A schedule that gives one group other storage options is refused at the step, which changes nothing.
+  OffloadOptimizer opt(std::vector<Group>{Group({p}), Group({q})},
+                       OffloadOptimizerOptions(1e-2).state_bits(8));
+  static_cast<OffloadOptimizerOptions&>(opt.param_groups()[1].options()).state_bits(32);
+  p.mutable_grad() = torch::ones({8});
+  q.mutable_grad() = torch::ones({8});
+  EXPECT_THROW(opt.step(), c10::Error);
+  EXPECT_TRUE(torch::equal(p, torch::zeros({8})));
+  EXPECT_TRUE(torch::equal(q, torch::zeros({8})));
+}
+
 TEST(Offload, FiftyStepsMatchLibTorchsAdamW) {
   auto plain = model(), offloaded = model();
   torch::optim::AdamW reference(plain->parameters(), torch::optim::AdamWOptions(1e-3));

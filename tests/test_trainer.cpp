@@ -1174,6 +1174,48 @@ TEST(TrainerErrors, AnOptimizerLoadThatFailsHalfWayIsUndone) {
   std::filesystem::remove(file);
 }
 
+TEST(Trainer, OffloadsAnOptimizerWithParameterGroupsAsLibTorchsAdamWStepsThem) {
+  // Weights with decay, biases without and with their own lr: the groups of a GPT recipe. LibTorch's AdamW
+  // over the same groups on the device is the reference, to rounding (the fused kernel rounds otherwise). (No
+  // BatchNorm here: a bias before one has a gradient of rounding noise, which Adam scales up to the lr, so
+  // that any rounding difference moves it by that much.)
+  const auto batches = mlp_batches(4);
+  using Group = torch::optim::OptimizerParamGroup;
+  const auto split = [](tnn::Sequential& net) {
+    const auto p = net->parameters();  // Linear weight, bias, Linear weight, bias
+    return std::pair<std::vector<torch::Tensor>, std::vector<torch::Tensor>>{{p[0], p[2]}, {p[1], p[3]}};
+  };
+  torch::manual_seed(0);
+  const auto make = [] { return tnn::Sequential(tnn::Linear(6, 32), tnn::Tanh(), tnn::Linear(32, 4)); };
+  auto reference_net = make();
+  const auto [decay, no_decay] = split(reference_net);
+  auto reference_optimizer = std::make_shared<torch::optim::AdamW>(
+      std::vector<Group>{Group(decay, std::make_unique<torch::optim::AdamWOptions>(
+                                          torch::optim::AdamWOptions(1e-2).weight_decay(0.5))),
+                         Group(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                             torch::optim::AdamWOptions(3e-3).weight_decay(0)))},
+      torch::optim::AdamWOptions(1e-2));
+  Trainer reference(reference_net, reference_optimizer, Recipe());
+  torch::manual_seed(0);
+  auto net = make();
+  const auto [decay_o, no_decay_o] = split(net);
+  const auto storage = OffloadOptimizerOptions(1e-2).copy_during_backward(true);
+  auto offload = std::make_shared<OffloadOptimizer>(
+      std::vector<Group>{Group(decay_o, std::make_unique<OffloadOptimizerOptions>(
+                                            OffloadOptimizerOptions(storage).weight_decay(0.5))),
+                         Group(no_decay_o, std::make_unique<OffloadOptimizerOptions>(
+                                               OffloadOptimizerOptions(storage).lr(3e-3).weight_decay(0)))},
+      storage);
+  Trainer trainer(net, offload, Recipe().offload(Offload::kOptimizerState));
+  for (const auto& b : batches) {
+    reference.step(b.input, b.target, ce);
+    trainer.step(b.input, b.target, ce);
+  }
+  const auto expected = reference_net->parameters(), actual = net->parameters();
+  for (size_t i = 0; i < expected.size(); ++i)
+    EXPECT_TRUE(torch::allclose(actual[i], expected[i], 1e-5, 1e-7)) << "parameter " << i;
+}
+
 TEST(TrainerErrors, AFailedSaveLeavesTheOlderFile) {
   torch::manual_seed(0);
   auto net = resumable_net();

@@ -81,6 +81,12 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// `params`: leaf tensors on one device, each listed once (memsave::unique_parameters); those offloaded
   /// (min_offload_size) float32, float16 or bfloat16 with memory of their own (not expanded).
   explicit OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options = {});
+  /// Parameter groups, as LibTorch's optimizers take them (no weight decay for biases and norms, say): a
+  /// group without options gets `defaults`; each group's lr, betas, eps and weight_decay are its own, while
+  /// state_bits, min_offload_size, copy_during_backward and step_during_backward, which decide where state
+  /// lives and when it is stepped, must be the same in every group.
+  explicit OffloadOptimizer(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                            OffloadOptimizerOptions defaults = {});
   ~OffloadOptimizer() override;
   /// NOTE: copying would duplicate or alias the host state; move the optimizer or hold it by pointer.
   OffloadOptimizer(const OffloadOptimizer&) = delete;
@@ -108,7 +114,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   std::vector<torch::Tensor> state_tensors() const override;
   /// Master weights, gradient buffers and optimizer state in the host arena.
   std::vector<torch::Tensor> host_state_tensors() const;
-  /// The options in force (those of the one parameter group).
+  /// The options in force in the first parameter group (state_bits and the other storage options: in all).
   const OffloadOptimizerOptions& options() const;
   /// Whether `param`'s state lives in host memory.
   bool offloaded(const torch::Tensor& param) const;
@@ -136,6 +142,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   friend struct optim::detail::StateAccess;
   struct Offloaded {
     torch::Tensor param;   ///< on the device
+    size_t group = 0;      ///< its parameter group
     torch::Tensor master;  ///< fp32, host arena; the inner optimizer's parameter
     torch::Tensor grad;    ///< fp32, host arena: the gradient the master is stepped with
     /// A CUDA parameter that is not fp32: a host arena buffer of its dtype, which the gradient is copied into
@@ -164,7 +171,12 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   std::vector<Offloaded> offloaded_;
   std::unique_ptr<optim::LowBitOptimizer> host_;  ///< over the masters; state in the host arena
   std::unique_ptr<torch::optim::AdamW> device_;   ///< over the small tensors, on the device
-  std::shared_ptr<BackwardCopies> copies_;        ///< null without copy_during_backward
+  /// For each parameter group, the index of its group in host_ and in device_ (-1: none of its tensors
+  /// there).
+  std::vector<int64_t> host_group_, device_group_;
+  /// The small tensors of each parameter group, in device_'s groups.
+  std::vector<std::vector<torch::Tensor>> small_;
+  std::shared_ptr<BackwardCopies> copies_;  ///< null without copy_during_backward
   CopyCounts last_copies_;
 };
 
