@@ -737,11 +737,15 @@ bool OffloadOptimizer::offloaded(const torch::Tensor& param) const {
   return false;
 }
 
+namespace {
+
 /// Where the options of parameter group g are saved ("offload/options" for the first, as in files from before
 /// there were groups).
 std::string options_key(size_t g) {
   return g == 0 ? "offload/options" : "offload/options" + std::to_string(g);
 }
+
+}  // namespace
 
 void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
   for (size_t g = 0; g < host_group_.size(); ++g) {
