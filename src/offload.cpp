@@ -753,7 +753,13 @@ void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
     static_cast<const OffloadOptimizerOptions&>(param_groups_[g].options()).serialize(options_archive);
     archive.write(options_key(g), options_archive);
   }
-  if (host_group_.size() > 1) archive.write("offload/groups", static_cast<int64_t>(host_group_.size()));
+  if (host_group_.size() > 1) {
+    archive.write("offload/groups", static_cast<int64_t>(host_group_.size()));
+    std::vector<int64_t> sizes;  // for a reader that rebuilds the groups (Trainer::load, to convert)
+    for (size_t g = 0; g < host_group_.size(); ++g)
+      sizes.push_back(static_cast<int64_t>(param_groups_[g].params().size()));
+    archive.write("offload/group_sizes", torch::tensor(sizes, torch::kLong), /*is_buffer=*/true);
+  }
   archive.write("offload/count", static_cast<int64_t>(offloaded_.size()));
   for (size_t i = 0; i < offloaded_.size(); ++i)
     archive.write("offload/master" + std::to_string(i), offloaded_[i].master);

@@ -453,11 +453,61 @@ class OptimizerSnapshot {
 
 /// An optimizer of the type a Trainer's file names (with its `bits`), over CPU stand-ins of `params`, to read
 /// the file's optimizer state `state` into so that it can be converted; null for a type it does not know.
+/// How many parameters each group of the optimizer whose state `state` holds had: from LibTorch's
+/// "param_groups", memsave's "group_<g>_size" or OffloadOptimizer's "offload/group_sizes"; one group of all
+/// `count` where a file has no groups written (OffloadOptimizer's of one group, memsave's older files).
+std::vector<int64_t> file_group_sizes(const std::string& type, torch::serialize::InputArchive& state,
+                                      int64_t count) {
+  std::vector<int64_t> sizes;
+  if (type.rfind("torch::optim::", 0) == 0) {
+    torch::serialize::InputArchive groups;
+    state.read("param_groups", groups);
+    torch::Tensor size;
+    groups.read("param_groups/size", size);
+    for (int64_t g = 0; g < size.item<int64_t>(); ++g) {
+      torch::serialize::InputArchive group;
+      groups.read("param_groups/" + std::to_string(g), group);
+      torch::Tensor params;
+      group.read("params/size", params);
+      sizes.push_back(params.item<int64_t>());
+    }
+  } else if (type == "memsave::OffloadOptimizer") {
+    torch::Tensor saved;
+    if (state.try_read("offload/group_sizes", saved)) {
+      TORCH_CHECK(saved.dim() == 1 && saved.scalar_type() == torch::kLong,
+                  "Trainer::load: the file's offload/group_sizes is not a list of integers");
+      sizes.assign(saved.data_ptr<int64_t>(), saved.data_ptr<int64_t>() + saved.numel());
+    }
+  } else {
+    c10::IValue groups;
+    if (state.try_read("groups", groups) && groups.isInt()) {
+      for (int64_t g = 0; g < groups.toInt(); ++g)
+        sizes.push_back(detail::read_int(state, ("group_" + std::to_string(g) + "_size").c_str()));
+    }
+  }
+  if (sizes.empty()) sizes.push_back(count);
+  int64_t total = 0;
+  for (const int64_t n : sizes) {
+    TORCH_CHECK(n >= 0, "Trainer::load: the file's optimizer has a group of ", n, " parameters");
+    total += n;
+  }
+  TORCH_CHECK(total == count, "Trainer::load: the file's optimizer holds ", total, " parameters, this model ",
+              count);
+  return sizes;
+}
+
 std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type, int64_t bits,
                                                         torch::serialize::InputArchive& state,
                                                         const std::vector<torch::Tensor>& params) {
-  std::vector<torch::Tensor> cpu;
-  for (const auto& p : params) cpu.push_back(torch::empty(p.sizes(), torch::kFloat));
+  // CPU stand-ins of the parameters, in the file's groups (whose options its load reads).
+  std::vector<torch::optim::OptimizerParamGroup> cpu;
+  size_t next = 0;
+  for (const int64_t n : file_group_sizes(type, state, static_cast<int64_t>(params.size()))) {
+    std::vector<torch::Tensor> group;
+    for (int64_t i = 0; i < n; ++i, ++next)
+      group.push_back(torch::empty(params[next].sizes(), torch::kFloat));
+    cpu.emplace_back(std::move(group));
+  }
   // memsave's optimizers check the file's block size against their own: take it from the file.
   const auto block = [&] {
     torch::serialize::InputArchive group;
@@ -579,7 +629,11 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
     // copy_state changes nothing unless it succeeds.
     std::unique_ptr<torch::optim::Optimizer> file;
     try {
-      file = file_optimizer(type, bits, optimizer, unique_parameters(model_->parameters()));
+      // (stand-ins in this optimizer's order, group after group: copy_state pairs the i-th parameters)
+      std::vector<torch::Tensor> in_order;
+      for (const auto& group : optimizer_->param_groups())
+        in_order.insert(in_order.end(), group.params().begin(), group.params().end());
+      file = file_optimizer(type, bits, optimizer, in_order);
       if (file != nullptr) {
         file->load(optimizer);
         optim::copy_state(*file, *optimizer_);

@@ -1216,6 +1216,85 @@ TEST(Trainer, OffloadsAnOptimizerWithParameterGroupsAsLibTorchsAdamWStepsThem) {
     EXPECT_TRUE(torch::allclose(actual[i], expected[i], 1e-5, 1e-7)) << "parameter " << i;
 }
 
+TEST(Trainer, ResumesAnOptimizerWithParameterGroupsUnderOtherState) {
+  // A run whose optimizer has two groups (matrices decay, vectors do not and have their own lr), saved with
+  // fp32, 8-bit, 4-bit or offloaded state and resumed with another, as `memsave rescue` may advise: the
+  // file's state is read in the file's groups and converted, and each group keeps the lr the file's had.
+  using Group = torch::optim::OptimizerParamGroup;
+  const OptimizerFactory grouped = [](const std::vector<torch::Tensor>& params,
+                                      const Recipe& recipe) -> std::unique_ptr<torch::optim::Optimizer> {
+    std::vector<torch::Tensor> matrices, vectors;
+    for (const auto& p : params) (p.dim() >= 2 ? matrices : vectors).push_back(p);
+    const auto groups = [&](auto options) {
+      using Options = decltype(options);
+      return std::vector<Group>{
+          Group(matrices, std::make_unique<Options>(Options(options).weight_decay(0.5))),
+          Group(vectors, std::make_unique<Options>(Options(options).lr(3e-3).weight_decay(0)))};
+    };
+    if (recipe.offload() == Offload::kOptimizerState)
+      return std::make_unique<OffloadOptimizer>(
+          groups(OffloadOptimizerOptions(1e-2).state_bits(recipe.state_bits()).copy_during_backward(true)));
+    if (recipe.state_bits() == 8)
+      return std::make_unique<optim::AdamW8bit>(groups(optim::AdamW8bitOptions(1e-2)));
+    if (recipe.state_bits() == 4)
+      return std::make_unique<optim::AdamW4bit>(groups(optim::AdamW4bitOptions(1e-2)));
+    return std::make_unique<torch::optim::AdamW>(groups(torch::optim::AdamWOptions(1e-2)));
+  };
+  // 6144- and 4096-element weights: quantized in 8 and 4 bits.
+  const auto make = [] { return tnn::Sequential(tnn::Linear(6, 1024), tnn::Tanh(), tnn::Linear(1024, 4)); };
+  // Moments and step counts read out through copy_state into LibTorch's AdamW, parameter by parameter in the
+  // optimizer's order (copy_state pairs the i-th parameters of the two, group after group).
+  const auto moments = [](torch::optim::Optimizer& o) {
+    std::vector<torch::Tensor> params;
+    for (const auto& group : o.param_groups())
+      for (const auto& p : group.params()) params.push_back(torch::empty_like(p).requires_grad_());
+    torch::optim::AdamW out(params);
+    optim::copy_state(o, out);
+    std::vector<torch::Tensor> m;
+    for (const auto& p : params) {
+      const auto& s =
+          static_cast<const torch::optim::AdamWParamState&>(*out.state().at(p.unsafeGetTensorImpl()));
+      m.push_back(s.exp_avg().clone());
+      m.push_back(s.exp_avg_sq().clone());
+      m.push_back(torch::tensor(s.step()));
+    }
+    return m;
+  };
+  const auto batches = mlp_batches(3);
+  const std::string file = temp_file("groups_convert");
+  const std::vector<Recipe> recipes = {Recipe(), Recipe().state_bits(8), Recipe().state_bits(4),
+                                       Recipe().offload(Offload::kOptimizerState).state_bits(8)};
+  for (const Recipe& from : recipes) {
+    torch::manual_seed(0);
+    auto saved_net = make();
+    Trainer saved(saved_net, grouped, from);
+    for (const auto& b : batches) saved.step(b.input, b.target, ce);
+    saved.optimizer().param_groups()[0].options().set_lr(8e-3);  // a schedule's, which the file keeps
+    saved.optimizer().param_groups()[1].options().set_lr(2e-3);
+    saved.save(file);
+    for (const Recipe& to : recipes) {
+      if (to.label() == from.label()) continue;
+      SCOPED_TRACE(from.label() + " -> " + to.label());
+      torch::manual_seed(1);  // other weights, which the file replaces
+      auto net = make();
+      Trainer resumed(net, grouped, to);
+      resumed.load(file);
+      expect_equal(model_tensors(net), model_tensors(saved_net));
+      ASSERT_EQ(resumed.optimizer().param_groups().size(), 2u);
+      EXPECT_EQ(resumed.optimizer().param_groups()[0].options().get_lr(), 8e-3);
+      EXPECT_EQ(resumed.optimizer().param_groups()[1].options().get_lr(), 2e-3);
+      // The state the saved run's optimizer converts into, by copy_state directly.
+      std::vector<torch::Tensor> params;
+      for (const auto& p : saved_net->parameters()) params.push_back(p.detach().clone().requires_grad_());
+      auto direct = grouped(params, to);
+      optim::copy_state(saved.optimizer(), *direct);
+      expect_equal(moments(resumed.optimizer()), moments(*direct));
+      for (const auto& b : batches) resumed.step(b.input, b.target, ce);  // and it trains on
+    }
+  }
+  std::filesystem::remove(file);
+}
+
 TEST(TrainerErrors, AFailedSaveLeavesTheOlderFile) {
   torch::manual_seed(0);
   auto net = resumable_net();
