@@ -30,6 +30,7 @@
 #include <functional>
 #include <limits>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <thread>
 #include <unordered_set>
@@ -100,6 +101,13 @@ void check_group(const std::vector<torch::optim::OptimizerParamGroup>& groups, s
               " and ", first.min_offload_size(), ", copy_during_backward ", o->copy_during_backward(),
               " and ", first.copy_during_backward(), ", step_during_backward ", o->step_during_backward(),
               " and ", first.step_during_backward(), "); these options must be the same in every group");
+}
+
+/// How many parameters each of the first `count` groups holds.
+std::vector<int64_t> group_sizes(const std::vector<torch::optim::OptimizerParamGroup>& groups, size_t count) {
+  std::vector<int64_t> out;
+  for (size_t g = 0; g < count; ++g) out.push_back(static_cast<int64_t>(groups[g].params().size()));
+  return out;
 }
 
 /// For each group of `by_group`, its index among the groups that hold tensors, or -1 for an empty one.
@@ -460,7 +468,6 @@ OffloadOptimizer::OffloadOptimizer(const std::vector<torch::optim::OptimizerPara
   device_group_ = index_of_non_empty(small);
   host_ = make_host(masters, hyper);
   device_ = make_device(small, hyper);
-  small_ = std::move(small);
   if ((options.copy_during_backward() || options.step_during_backward()) && !offloaded_.empty()) {
     // NOTE: the optimizer holds each parameter's gradient accumulator, so every later graph uses the same
     // node and its hook (a parameter keeps only a weak reference to it).
@@ -753,12 +760,10 @@ void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
     static_cast<const OffloadOptimizerOptions&>(param_groups_[g].options()).serialize(options_archive);
     archive.write(options_key(g), options_archive);
   }
+  // (one group: none written, as in files from before there were groups)
   if (host_group_.size() > 1) {
-    archive.write("offload/groups", static_cast<int64_t>(host_group_.size()));
-    std::vector<int64_t> sizes;  // for a reader that rebuilds the groups (Trainer::load, to convert)
-    for (size_t g = 0; g < host_group_.size(); ++g)
-      sizes.push_back(static_cast<int64_t>(param_groups_[g].params().size()));
-    archive.write("offload/group_sizes", torch::tensor(sizes, torch::kLong), /*is_buffer=*/true);
+    archive.write("offload/group_sizes", torch::tensor(group_sizes(param_groups_, host_group_.size())),
+                  /*is_buffer=*/true);
   }
   archive.write("offload/count", static_cast<int64_t>(offloaded_.size()));
   for (size_t i = 0; i < offloaded_.size(); ++i)
@@ -792,11 +797,18 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   // The options saved, group by group (files from before they were have none: this optimizer's; files from
   // before groups, one group's).
   const size_t groups = host_group_.size();
-  c10::IValue groups_value;
-  const int64_t file_groups =
-      archive.try_read("offload/groups", groups_value) && groups_value.isInt() ? groups_value.toInt() : 1;
-  TORCH_CHECK(file_groups == static_cast<int64_t>(groups), "OffloadOptimizer::load: the file has ",
-              file_groups, " parameter group(s), this optimizer ", groups);
+  const std::vector<int64_t> sizes = group_sizes(param_groups_, groups);
+  std::vector<int64_t> file_sizes;
+  torch::Tensor saved_sizes;
+  if (archive.try_read("offload/group_sizes", saved_sizes, /*is_buffer=*/true)) {
+    TORCH_CHECK(saved_sizes.dim() == 1 && saved_sizes.scalar_type() == torch::kLong,
+                "OffloadOptimizer::load: the file's offload/group_sizes is not a list of integers");
+    file_sizes.assign(saved_sizes.data_ptr<int64_t>(), saved_sizes.data_ptr<int64_t>() + saved_sizes.numel());
+  } else {
+    file_sizes = {static_cast<int64_t>(std::accumulate(sizes.begin(), sizes.end(), int64_t{0}))};
+  }
+  TORCH_CHECK(file_sizes == sizes, "OffloadOptimizer::load: the file's parameter groups hold ",
+              c10::IntArrayRef(file_sizes), " parameters, this optimizer's ", c10::IntArrayRef(sizes));
   const std::vector<OffloadOptimizerOptions> current = options_of(param_groups_, groups);
   std::vector<OffloadOptimizerOptions> saved = current;
   for (size_t g = 0; g < groups; ++g) {
@@ -831,7 +843,10 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   }
   std::unique_ptr<torch::optim::AdamW> device;
   if (device_) {
-    device = make_device(small_, current);
+    std::vector<std::vector<torch::Tensor>> small_by_group(groups);
+    for (size_t g = 0; g < groups; ++g)
+      if (device_group_[g] >= 0) small_by_group[g] = device_->param_groups()[device_group_[g]].params();
+    device = make_device(small_by_group, current);
     torch::serialize::InputArchive inner;
     archive.read("offload/device", inner);
     device->load(inner);

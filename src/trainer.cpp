@@ -451,8 +451,6 @@ class OptimizerSnapshot {
   std::decay_t<decltype(std::declval<torch::optim::Optimizer&>().state())> state_;
 };
 
-/// An optimizer of the type a Trainer's file names (with its `bits`), over CPU stand-ins of `params`, to read
-/// the file's optimizer state `state` into so that it can be converted; null for a type it does not know.
 /// How many parameters each group of the optimizer whose state `state` holds had: from LibTorch's
 /// "param_groups", memsave's "group_<g>_size" or OffloadOptimizer's "offload/group_sizes"; one group of all
 /// `count` where a file has no groups written (OffloadOptimizer's of one group, memsave's older files).
@@ -473,7 +471,7 @@ std::vector<int64_t> file_group_sizes(const std::string& type, torch::serialize:
     }
   } else if (type == "memsave::OffloadOptimizer") {
     torch::Tensor saved;
-    if (state.try_read("offload/group_sizes", saved)) {
+    if (state.try_read("offload/group_sizes", saved, /*is_buffer=*/true)) {
       TORCH_CHECK(saved.dim() == 1 && saved.scalar_type() == torch::kLong,
                   "Trainer::load: the file's offload/group_sizes is not a list of integers");
       sizes.assign(saved.data_ptr<int64_t>(), saved.data_ptr<int64_t>() + saved.numel());
@@ -496,6 +494,8 @@ std::vector<int64_t> file_group_sizes(const std::string& type, torch::serialize:
   return sizes;
 }
 
+/// An optimizer of the type a Trainer's file names (with its `bits`), over CPU stand-ins of `params`, to read
+/// the file's optimizer state `state` into so that it can be converted; null for a type it does not know.
 std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type, int64_t bits,
                                                         torch::serialize::InputArchive& state,
                                                         const std::vector<torch::Tensor>& params) {

@@ -4,6 +4,7 @@
 #include <memsave/optim.h>
 #include <memsave/trainer.h>
 
+#include "saved_state.h"
 #include "zoo/zoo.h"
 
 #include <ATen/MemoryOverlap.h>
@@ -1242,24 +1243,6 @@ TEST(Trainer, ResumesAnOptimizerWithParameterGroupsUnderOtherState) {
   };
   // 6144- and 4096-element weights: quantized in 8 and 4 bits.
   const auto make = [] { return tnn::Sequential(tnn::Linear(6, 1024), tnn::Tanh(), tnn::Linear(1024, 4)); };
-  // Moments and step counts read out through copy_state into LibTorch's AdamW, parameter by parameter in the
-  // optimizer's order (copy_state pairs the i-th parameters of the two, group after group).
-  const auto moments = [](torch::optim::Optimizer& o) {
-    std::vector<torch::Tensor> params;
-    for (const auto& group : o.param_groups())
-      for (const auto& p : group.params()) params.push_back(torch::empty_like(p).requires_grad_());
-    torch::optim::AdamW out(params);
-    optim::copy_state(o, out);
-    std::vector<torch::Tensor> m;
-    for (const auto& p : params) {
-      const auto& s =
-          static_cast<const torch::optim::AdamWParamState&>(*out.state().at(p.unsafeGetTensorImpl()));
-      m.push_back(s.exp_avg().clone());
-      m.push_back(s.exp_avg_sq().clone());
-      m.push_back(torch::tensor(s.step()));
-    }
-    return m;
-  };
   const auto batches = mlp_batches(3);
   const std::string file = temp_file("groups_convert");
   const std::vector<Recipe> recipes = {Recipe(), Recipe().state_bits(8), Recipe().state_bits(4),
@@ -1288,7 +1271,8 @@ TEST(Trainer, ResumesAnOptimizerWithParameterGroupsUnderOtherState) {
       for (const auto& p : saved_net->parameters()) params.push_back(p.detach().clone().requires_grad_());
       auto direct = grouped(params, to);
       optim::copy_state(saved.optimizer(), *direct);
-      expect_equal(moments(resumed.optimizer()), moments(*direct));
+      // (copy_state pairs the i-th parameters of two optimizers, group after group)
+      expect_equal(testing::adam_moments(resumed.optimizer()), testing::adam_moments(*direct));
       for (const auto& b : batches) resumed.step(b.input, b.target, ce);  // and it trains on
     }
   }

@@ -174,8 +174,6 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// For each parameter group, the index of its group in host_ and in device_ (-1: none of its tensors
   /// there).
   std::vector<int64_t> host_group_, device_group_;
-  /// The small tensors of each parameter group, in device_'s groups.
-  std::vector<std::vector<torch::Tensor>> small_;
   std::shared_ptr<BackwardCopies> copies_;  ///< null without copy_during_backward
   CopyCounts last_copies_;
 };
