@@ -21,6 +21,7 @@
 #include <optional>
 #include <string>
 #include <typeinfo>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -293,24 +294,45 @@ struct StateAccess {
   }
 };
 
-}  // namespace detail
-
-void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
-  using detail::StateAccess;
-  // 1. Check: both known, one rule, the same parameter shapes in the same order.
-  std::vector<detail::Slot> source, target;
+/// copy_state with `to`'s i-th slot taking the state of `from`'s slot pair(i), where `pair` maps the slots'
+/// parameters (TensorImpls) to their source's: `source_of` when given, else each parameter itself when `to`'s
+/// are all `from`'s, else by position.
+void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to, const SourceOf* source_of) {
+  // 1. Check: both known, one rule, each parameter of `to` paired with one of `from` of its shape.
+  std::vector<Slot> source, target;
   // NOTE: `from` is only read; its slots name it as a state map to look up.
-  const detail::StateRule from_rule =
+  const StateRule from_rule =
       StateAccess::slots(const_cast<torch::optim::Optimizer&>(from), "the source (from)", source);
-  const detail::StateRule to_rule = StateAccess::slots(to, "the target (to)", target);
+  const StateRule to_rule = StateAccess::slots(to, "the target (to)", target);
   TORCH_CHECK(from_rule == to_rule, "copy_state: the source (", StateAccess::type_name(from), ") keeps ",
-              detail::rule_name(from_rule), " state, the target (", StateAccess::type_name(to), ") ",
-              detail::rule_name(to_rule), " state");
-  TORCH_CHECK(source.size() == target.size(), "copy_state: the source has ", source.size(),
-              " parameters, the target ", target.size());
-  for (size_t i = 0; i < source.size(); ++i) {
-    TORCH_CHECK(source[i].param.sizes() == target[i].param.sizes(), "copy_state: parameter ", i, " is ",
-                source[i].param.sizes(), " in the source, ", target[i].param.sizes(), " in the target");
+              rule_name(from_rule), " state, the target (", StateAccess::type_name(to), ") ",
+              rule_name(to_rule), " state");
+  std::unordered_map<const c10::TensorImpl*, size_t> index;  // of `from`'s slots, by parameter
+  for (size_t i = 0; i < source.size(); ++i) index.emplace(source[i].param.unsafeGetTensorImpl(), i);
+  std::vector<size_t> pair(target.size());
+  if (source_of != nullptr) {
+    for (size_t i = 0; i < target.size(); ++i) {
+      const auto mapped = source_of->find(target[i].param.unsafeGetTensorImpl());
+      TORCH_INTERNAL_ASSERT(mapped != source_of->end() && index.count(mapped->second) != 0);
+      pair[i] = index.at(mapped->second);
+    }
+  } else {
+    size_t shared = 0;
+    for (const Slot& s : target) shared += index.count(s.param.unsafeGetTensorImpl());
+    TORCH_CHECK(
+        shared == 0 || shared == target.size(), "copy_state: ", shared, " of the target's ", target.size(),
+        " parameters are the source's and the others are not; optimizers over the "
+        "same parameters are paired tensor by tensor, over other ones (a copy of the model) in order");
+    TORCH_CHECK(shared != 0 || source.size() == target.size(), "copy_state: the source has ", source.size(),
+                " parameters, the target ", target.size());
+    for (size_t i = 0; i < target.size(); ++i)
+      pair[i] = shared != 0 ? index.at(target[i].param.unsafeGetTensorImpl()) : i;
+  }
+  for (size_t i = 0; i < target.size(); ++i) {
+    const Slot& s = source[pair[i]];
+    TORCH_CHECK(s.param.sizes() == target[i].param.sizes(), "copy_state: parameter ", i, " of the target is ",
+                target[i].param.sizes(), ", its source's (parameter ", pair[i], " of the source) ",
+                s.param.sizes());
   }
   for (const auto& g : to.param_groups()) {
     const auto* sgd = dynamic_cast<const torch::optim::SGDOptions*>(&g.options());
@@ -325,8 +347,8 @@ void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to
     std::unique_ptr<torch::optim::OptimizerParamState> state;
   };
   std::vector<Built> built;
-  for (size_t i = 0; i < source.size(); ++i) {
-    std::optional<detail::Read> read = StateAccess::read(source[i]);
+  for (size_t i = 0; i < target.size(); ++i) {
+    std::optional<Read> read = StateAccess::read(source[pair[i]]);
     if (!read) continue;
     std::optional<HostAllocationScope> in_host;
     if (target[i].host_arena) in_host.emplace();
@@ -339,12 +361,18 @@ void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to
   auto* offload = dynamic_cast<OffloadOptimizer*>(&to);
   if (offload != nullptr) offload->discard_backward();
   std::vector<torch::optim::Optimizer*> owners;  // one or, for an OffloadOptimizer, two state maps
-  for (const detail::Slot& s : target) {
+  for (const Slot& s : target) {
     if (std::find(owners.begin(), owners.end(), s.owner) == owners.end()) owners.push_back(s.owner);
   }
   for (torch::optim::Optimizer* owner : owners) owner->state().clear();
   for (Built& b : built) b.owner->state()[b.key] = std::move(b.state);
   if (offload != nullptr) StateAccess::update_can_step(*offload);
+}
+
+}  // namespace detail
+
+void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to) {
+  detail::copy_state(from, to, nullptr);
 }
 
 }  // namespace memsave::optim

@@ -4,6 +4,7 @@
 #include "../kernels/update_math.h"
 #include "memsave/optim.h"
 
+#include <unordered_map>
 #include <vector>
 
 namespace memsave::optim::detail {
@@ -45,5 +46,13 @@ void step_cpu(const TensorStep& step);
 void cuda_books_ready(c10::DeviceIndex device, int bits);
 /// One launch per group of tensors of one device, state kind, storage type and rule; allocates nothing.
 void step_cuda(const std::vector<TensorStep>& steps);
+
+// ---- copy_state with a pairing of its own
+
+/// Each parameter of the target (its TensorImpl) -> the source's parameter whose state it takes.
+using SourceOf = std::unordered_map<const c10::TensorImpl*, const c10::TensorImpl*>;
+/// copy_state pairing the parameters as `source_of` says (it must map every one of `to`'s to one of
+/// `from`'s); null: as the public copy_state pairs them.
+void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to, const SourceOf* source_of);
 
 }  // namespace memsave::optim::detail

@@ -5,6 +5,7 @@
 #include "memsave/memory.h"
 #include "memsave/offload.h"
 #include "memsave/optim.h"
+#include "optim_internal.h"
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
@@ -18,9 +19,12 @@
 #include <cstdio>
 #include <limits>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <type_traits>
 #include <typeinfo>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 namespace memsave {
@@ -494,19 +498,18 @@ std::vector<int64_t> file_group_sizes(const std::string& type, torch::serialize:
   return sizes;
 }
 
-/// An optimizer of the type a Trainer's file names (with its `bits`), over CPU stand-ins of `params`, to read
-/// the file's optimizer state `state` into so that it can be converted; null for a type it does not know.
+/// An optimizer of the type a Trainer's file names (with its `bits`), over `stand_ins` (CPU tensors shaped as
+/// the parameters, in the file's order), to read the file's optimizer state `state` into so that it can be
+/// converted; null for a type it does not know.
 std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type, int64_t bits,
                                                         torch::serialize::InputArchive& state,
-                                                        const std::vector<torch::Tensor>& params) {
-  // CPU stand-ins of the parameters, in the file's groups (whose options its load reads).
+                                                        const std::vector<torch::Tensor>& stand_ins) {
+  // In the file's groups (whose options its load reads).
   std::vector<torch::optim::OptimizerParamGroup> cpu;
   size_t next = 0;
-  for (const int64_t n : file_group_sizes(type, state, static_cast<int64_t>(params.size()))) {
-    std::vector<torch::Tensor> group;
-    for (int64_t i = 0; i < n; ++i, ++next)
-      group.push_back(torch::empty(params[next].sizes(), torch::kFloat));
-    cpu.emplace_back(std::move(group));
+  for (const int64_t n : file_group_sizes(type, state, static_cast<int64_t>(stand_ins.size()))) {
+    cpu.emplace_back(std::vector<torch::Tensor>(stand_ins.begin() + next, stand_ins.begin() + next + n));
+    next += n;
   }
   // memsave's optimizers check the file's block size against their own: take it from the file.
   const auto block = [&] {
@@ -543,6 +546,59 @@ std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type,
   return nullptr;
 }
 
+/// The model's name of each parameter in `optimizer`'s groups, group after group, as they list them; empty
+/// when one is not the model's (an optimizer built by hand over other tensors), whose file is then read in
+/// order.
+std::vector<std::string> parameter_names(const torch::nn::Module& model,
+                                         const torch::optim::Optimizer& optimizer) {
+  std::unordered_map<const c10::TensorImpl*, std::string> name;  // a tied weight: its first name
+  for (const auto& p : model.named_parameters()) name.emplace(p.value().unsafeGetTensorImpl(), p.key());
+  std::vector<std::string> names;
+  for (const auto& group : optimizer.param_groups()) {
+    for (const auto& p : group.params()) {
+      const auto it = name.find(p.unsafeGetTensorImpl());
+      if (it == name.end()) return {};
+      names.push_back(it->second);
+    }
+  }
+  return names;
+}
+
+/// The names Trainer::save wrote for the file's optimizer parameters; empty for a file without them (written
+/// before they were, or by a Trainer whose optimizer held tensors of no name).
+std::vector<std::string> file_parameter_names(torch::serialize::InputArchive& archive) {
+  c10::IValue value;
+  if (!archive.try_read("optimizer_parameters", value)) return {};
+  TORCH_CHECK(value.isList(), "Trainer::load: the file's optimizer_parameters is not a list of names");
+  std::vector<std::string> names;
+  for (const c10::IValue& v : value.toListRef()) {
+    TORCH_CHECK(v.isString(), "Trainer::load: the file's optimizer_parameters is not a list of names");
+    names.push_back(v.toStringRef());
+  }
+  return names;
+}
+
+/// Whether the file's optimizer lists the model's parameters in another order or other groups than this
+/// Trainer's (another factory, say), so that its state is paired with them by name.
+bool reordered(const std::vector<std::string>& file_names, const std::vector<std::string>& names) {
+  return !file_names.empty() && !names.empty() && file_names != names;
+}
+
+/// Checks that the file's optimizer and this Trainer's step the same parameters.
+void check_same_parameters(const std::vector<std::string>& file_names,
+                           const std::vector<std::string>& names) {
+  const std::unordered_set<std::string> in_file(file_names.begin(), file_names.end()),
+      here(names.begin(), names.end());
+  for (const std::string& name : names) {
+    TORCH_CHECK(in_file.count(name) != 0, "Trainer::load: the file's optimizer has no state for parameter ",
+                name, ", which this Trainer's optimizer steps");
+  }
+  for (const std::string& name : file_names) {
+    TORCH_CHECK(here.count(name) != 0, "Trainer::load: the file's optimizer steps parameter ", name,
+                ", which this Trainer's optimizer does not");
+  }
+}
+
 /// Whether the Trainer file read into `archive` holds the optimizer state of another type or width than
 /// `optimizer` with `bits`, which Trainer::load converts (false for a file without those fields, which
 /// Trainer::load then refuses).
@@ -555,6 +611,14 @@ bool other_state(torch::serialize::InputArchive& archive, const torch::optim::Op
   return type.toStringRef() != type_name(optimizer) || file_bits.toInt() != bits;
 }
 
+/// Whether Trainer::load converts the file's optimizer state (read into an optimizer of the file's type, then
+/// copied): another type or width, or its parameters in another order.
+bool converts(torch::serialize::InputArchive& archive, const torch::nn::Module& model,
+              const torch::optim::Optimizer& optimizer, int64_t bits) {
+  return other_state(archive, optimizer, bits) ||
+         reordered(file_parameter_names(archive), parameter_names(model, optimizer));
+}
+
 }  // namespace
 
 void Trainer::save(torch::serialize::OutputArchive& archive) const {
@@ -562,6 +626,8 @@ void Trainer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("state_bits", recipe_.state_bits());
   archive.write("grad_scaling", scaler_.has_value());
   archive.write("optimizer_type", type_name(*optimizer_));
+  const std::vector<std::string> names = parameter_names(*model_, *optimizer_);
+  if (!names.empty()) archive.write("optimizer_parameters", c10::IValue(c10::List<std::string>(names)));
   torch::serialize::OutputArchive model(archive.compilation_unit());
   model_->save(model);
   archive.write("model", model);
@@ -605,12 +671,16 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
   archive.read("optimizer_type", type_value);
   TORCH_CHECK(type_value.isString(), "Trainer::load: the file names no optimizer type");
   const std::string type = type_value.toStringRef();
-  const bool convert = other_state(archive, *optimizer_, recipe_.state_bits());
 
   torch::serialize::InputArchive model;
   TORCH_CHECK(archive.try_read("model", model), "Trainer::load: the file has no model");
   std::vector<ReadTensor> tensors;
   read_module(*model_, model, "", tensors);
+  // The optimizer's state: converted when it is another's (type, bits) or lists the parameters otherwise.
+  const std::vector<std::string> file_names = file_parameter_names(archive);
+  const std::vector<std::string> names = parameter_names(*model_, *optimizer_);
+  if (reordered(file_names, names)) check_same_parameters(file_names, names);
+  const bool convert = converts(archive, *model_, *optimizer_, recipe_.state_bits());
   // The scaler continues from the file's; a file saved without one starts this Trainer's afresh.
   std::optional<amp::GradScaler> scaler;
   if (scaler_ && scaled) {
@@ -628,15 +698,34 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
     // Another format of state (bits, offload): read into an optimizer of the file's type, then converted.
     // copy_state changes nothing unless it succeeds.
     std::unique_ptr<torch::optim::Optimizer> file;
+    // A CPU stand-in of each parameter, listed in the file's order: by the names the file gives, or else
+    // this optimizer's, group after group.
+    std::vector<torch::Tensor> params;
+    for (const auto& group : optimizer_->param_groups())
+      params.insert(params.end(), group.params().begin(), group.params().end());
+    std::unordered_map<const c10::TensorImpl*, torch::Tensor> stand_in;
+    std::vector<torch::Tensor> stand_ins;
+    {
+      std::vector<torch::Tensor> in_file_order = params;
+      if (reordered(file_names, names)) {
+        std::unordered_map<std::string, torch::Tensor> named;
+        for (size_t i = 0; i < names.size(); ++i) named.emplace(names[i], params[i]);
+        in_file_order.clear();
+        for (const std::string& name : file_names) in_file_order.push_back(named.at(name));
+      }
+      for (const torch::Tensor& p : in_file_order) {
+        auto [it, fresh] = stand_in.try_emplace(p.unsafeGetTensorImpl());
+        if (fresh) it->second = torch::empty(p.sizes(), torch::kFloat);
+        stand_ins.push_back(it->second);
+      }
+    }
+    optim::detail::SourceOf source_of;
+    for (const auto& [param, t] : stand_in) source_of.emplace(param, t.unsafeGetTensorImpl());
     try {
-      // (stand-ins in this optimizer's order, group after group: copy_state pairs the i-th parameters)
-      std::vector<torch::Tensor> in_order;
-      for (const auto& group : optimizer_->param_groups())
-        in_order.insert(in_order.end(), group.params().begin(), group.params().end());
-      file = file_optimizer(type, bits, optimizer, in_order);
+      file = file_optimizer(type, bits, optimizer, stand_ins);
       if (file != nullptr) {
         file->load(optimizer);
-        optim::copy_state(*file, *optimizer_);
+        optim::detail::copy_state(*file, *optimizer_, &source_of);
       }
     } catch (const c10::OutOfMemoryError&) {
       throw;
@@ -646,11 +735,21 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
     }
     TORCH_CHECK(file != nullptr, "Trainer::load: the file holds the state of ", type,
                 ", which cannot be converted to this Trainer's ", type_name(*optimizer_));
-    // The learning rates go on from the file's; the other hyper-parameters stay this Trainer's.
-    auto& groups = optimizer_->param_groups();
-    if (groups.size() == file->param_groups().size()) {
-      for (size_t g = 0; g < groups.size(); ++g)
-        groups[g].options().set_lr(file->param_groups()[g].options().get_lr());
+    // The learning rates go on from the file's, for each group that the file's optimizer had too (the same
+    // parameters); the other hyper-parameters stay this Trainer's.
+    const auto members = [](const std::vector<torch::Tensor>& ps, const auto& map) {
+      std::set<const c10::TensorImpl*> out;
+      for (const auto& p : ps) out.insert(map(p));
+      return out;
+    };
+    for (auto& group : optimizer_->param_groups()) {
+      const auto mine = members(group.params(), [&](const torch::Tensor& p) {
+        return stand_in.at(p.unsafeGetTensorImpl()).unsafeGetTensorImpl();
+      });
+      for (const auto& saved : file->param_groups()) {
+        if (members(saved.params(), [](const torch::Tensor& p) { return p.unsafeGetTensorImpl(); }) == mine)
+          group.options().set_lr(saved.options().get_lr());
+      }
     }
   } else {
     OptimizerSnapshot snapshot(*optimizer_);
@@ -700,7 +799,7 @@ void Trainer::load(const std::string& path) {
   // recipe the rescue recommended after an out-of-memory, say) then reaches the device only converted, never
   // as saved beside the model. A state it keeps as it is is read again, onto the device.
   torch::serialize::InputArchive archive = read(torch::Device(torch::kCPU));
-  if (!other_state(archive, *optimizer_, recipe_.state_bits())) archive = read(as_saved);
+  if (!converts(archive, *model_, *optimizer_, recipe_.state_bits())) archive = read(as_saved);
   load(archive);
 }
 

@@ -15,6 +15,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace memsave::optim {
@@ -471,6 +472,43 @@ TEST(CopyState, AnOffloadingTargetStepsDuringTheBackwardWhatItWasGiven) {
   expect_equal(during, at_step, "stepped during the backward");
 }
 
+TEST(CopyState, OptimizersOverTheSameParametersArePairedTensorByTensor) {
+  // LibTorch's AdamW over a model's parameters, and an optimizer over the same tensors listed otherwise
+  // (another factory's groups): each takes its own tensor's state, not that of the one in its place. In
+  // place 1 and 3 are two tensors of 3000 elements, which a copy by position would swap without an error.
+  Params a = make_params(8);
+  a.push_back(torch::randn({3000}).requires_grad_());
+  auto source = adamw()(a);
+  train(*source, a, 1, 3);
+  const Params reordered = {a[0], a[3], a[2], a[1]};
+  const Params subset = {a[3], a[1]};
+  for (const auto& [name, make] : std::vector<std::pair<std::string, Make>>{
+           {"fp32", adamw()}, {"8-bit", adamw8()}, {"4-bit", adamw4()}, {"offloaded 8-bit", offload(8)}}) {
+    SCOPED_TRACE(name);
+    // Reference: the same format over copies listed as the source lists its parameters (paired in order).
+    const Params copies = clone(a);
+    auto in_order = make(copies);
+    copy_state(*source, *in_order);
+    const auto expected = testing::adam_moments(*in_order);  // per parameter: m, v, step
+    const auto of = [&](size_t i) {
+      return std::vector<torch::Tensor>(expected.begin() + 3 * i, expected.begin() + 3 * i + 3);
+    };
+    const auto expect_moments = [&](const Params& listed, const std::vector<size_t>& which) {
+      auto target = make(listed);
+      copy_state(*source, *target);
+      const auto got = testing::adam_moments(*target);
+      ASSERT_EQ(got.size(), 3 * which.size());
+      for (size_t j = 0; j < which.size(); ++j) {
+        const auto want = of(which[j]);
+        for (size_t k = 0; k < 3; ++k)
+          EXPECT_TRUE(torch::equal(got[3 * j + k], want[k])) << "place " << j << ", tensor " << k;
+      }
+    };
+    expect_moments(reordered, {0, 3, 2, 1});
+    expect_moments(subset, {3, 1});  // a target over some of the source's parameters
+  }
+}
+
 TEST(CopyStateErrors, WhatDoesNotFitChangesNothing) {
   const Params a = make_params(6);
   auto adamw_source = adamw()(a);
@@ -501,7 +539,15 @@ TEST(CopyStateErrors, WhatDoesNotFitChangesNothing) {
   Params reshaped = clone(a);
   reshaped[0] = torch::randn({100, 50}).requires_grad_();
   torch::optim::AdamW other_shape(reshaped, torch::optim::AdamWOptions());
-  expect_refused(other_shape, "parameter 0 is [100, 50] in the source, [50, 100] in the target");
+  expect_refused(
+      other_shape,
+      "parameter 0 of the target is [50, 100], its source's (parameter 0 of the source) [100, 50]");
+  // A source over some of the target's own parameters and copies of the others: neither pairing applies.
+  Params some_shared = clone(b);
+  some_shared[1] = b[1];
+  torch::optim::AdamW mixed(some_shared, torch::optim::AdamWOptions());
+  train(mixed, some_shared, 1, 1);
+  expect_refused(mixed, "1 of the target's 3 parameters are the source's and the others are not");
   torch::optim::AdamW amsgrad(clone(a), torch::optim::AdamWOptions().amsgrad(true));
   expect_refused(amsgrad, "uses AMSGrad");
   torch::optim::RMSprop rmsprop(clone(a), torch::optim::RMSpropOptions());

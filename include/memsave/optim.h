@@ -403,19 +403,21 @@ class SGD4bit : public LowBitOptimizer {
 };
 
 /// Copies `from`'s optimizer state into `to`, converting it to what `to` keeps: fp32, 8-bit or 4-bit, on the
-/// device or offloaded (a run resumed with less memory, or moved back to fp32 state). The i-th parameter of
-/// `from`'s groups gives its moments and step count to the i-th of `to`'s; shapes must agree, devices and
-/// dtypes need not. Both optimizers must follow one rule: Adam and AdamW (whose moments mean the same), among
-/// torch::optim::Adam, torch::optim::AdamW, memsave's Adam and AdamW with 8- or 4-bit state and
-/// memsave::OffloadOptimizer; SGD with momentum (torch::optim::SGD, SGD8bit, SGD4bit); Lion (Lion8bit). `to`
-/// quantizes each tensor as its own step would (its block size and size thresholds) to the nearest codes;
-/// state already in `to`'s format (fp32 into fp32, codes into codes of the same bits and block size) is
-/// copied exactly. What `to` held before is replaced: a parameter without state in `from` has none after.
-/// Hyper-parameters (learning rate included) and an OffloadOptimizer's master weights stay `to`'s. A
-/// torch::optim::SGD buffer becomes state of step 1 (SGD's update does not depend on the count). Anything
-/// that does not fit (other shapes or rules, AMSGrad's extra moment, SGD without momentum into which nothing
-/// can go) is an error before `to` changes, and so is running out of memory: the new state is built before
-/// the old is released.
+/// device or offloaded (a run resumed with less memory, or moved back to fp32 state). Each parameter of `to`
+/// takes the moments and step count of the same tensor in `from` when `to`'s parameters are all `from`'s
+/// (however either groups or orders them; `from` may hold more); otherwise (optimizers over two copies of a
+/// model) the i-th parameter of `from`'s groups gives its state to the i-th of `to`'s, and a `to` over some
+/// of `from`'s parameters and other tensors is an error. Shapes must agree, devices and dtypes need not. Both
+/// optimizers must follow one rule: Adam and AdamW (whose moments mean the same), among torch::optim::Adam,
+/// torch::optim::AdamW, memsave's Adam and AdamW with 8- or 4-bit state and memsave::OffloadOptimizer; SGD
+/// with momentum (torch::optim::SGD, SGD8bit, SGD4bit); Lion (Lion8bit). `to` quantizes each tensor as its
+/// own step would (its block size and size thresholds) to the nearest codes; state already in `to`'s format
+/// (fp32 into fp32, codes into codes of the same bits and block size) is copied exactly. What `to` held
+/// before is replaced: a parameter without state in `from` has none after. Hyper-parameters (learning rate
+/// included) and an OffloadOptimizer's master weights stay `to`'s. A torch::optim::SGD buffer becomes state
+/// of step 1 (SGD's update does not depend on the count). Anything that does not fit (other shapes or rules,
+/// AMSGrad's extra moment, SGD without momentum into which nothing can go) is an error before `to` changes,
+/// and so is running out of memory: the new state is built before the old is released.
 void copy_state(const torch::optim::Optimizer& from, torch::optim::Optimizer& to);
 
 }  // namespace memsave::optim

@@ -151,24 +151,28 @@ class Trainer {
   torch::Tensor predict(const torch::Tensor& input);
 
   /// Writes what resuming needs, as a LibTorch archive: the model's parameters and buffers (under the names
-  /// of the Sequential given, whatever the checkpointing), the optimizer's state and the GradScaler's. The
-  /// file is written beside `path` and renamed over it, so a save that fails leaves an older file as it was.
+  /// of the Sequential given, whatever the checkpointing), the optimizer's state (with the name of each of
+  /// its parameters) and the GradScaler's. The file is written beside `path` and renamed over it, so a save
+  /// that fails leaves an older file as it was.
   void save(const std::string& path) const;
   void save(torch::serialize::OutputArchive& archive) const;
   /// Reads what `save` wrote; the steps that follow are those the saving Trainer would have taken. The recipe
   /// may differ in what does not touch that state (micro-batches, checkpointing, autocast, clipping); the
   /// model must have the same parameters and buffers. A recipe with other optimizer state (its bits, its
-  /// offload) converts the file's as memsave::optim::copy_state does (fp32 moments to the nearest 8- or
-  /// 4-bit codes, codes to fp32, the step counts kept, the file's learning rate), so a run resumes under a
-  /// recipe that needs less memory without restarting its moments (then its steps are no longer those the
-  /// saving Trainer would have taken, only near them); the rule must agree (AdamW and Adam, SGD). A
-  /// GradScaler continues from the file's, or starts afresh when the file has none. A file that does not fit,
-  /// or is missing or corrupt, is an error that leaves model, optimizer and scaler as they were. Tensors are
-  /// read onto the model's device (with an offloading optimizer, where they were saved: its host state stays
-  /// in host memory). On a CUDA device, a file whose state converts is read into host memory, and only the
-  /// converted state goes to the device (a file it keeps as it is is read a second time, onto the device):
-  /// the state as saved need not fit there. An archive passed in is read where it was opened: open it on the
-  /// CPU (`archive.load_from(path, torch::kCPU)`) for the same.
+  /// offload) converts the file's as memsave::optim::copy_state does (fp32 moments to the nearest 8- or 4-bit
+  /// codes, codes to fp32, the step counts kept, the file's learning rate), so a run resumes under a recipe
+  /// that needs less memory without restarting its moments (then its steps are no longer those the saving
+  /// Trainer would have taken, only near them); the rule must agree (AdamW and Adam, SGD). An optimizer that
+  /// groups or orders the parameters otherwise than the saving one gets each state by the parameter's name
+  /// (which the file records), converted the same way; a group keeps the file's learning rate when the file
+  /// had a group of the same parameters. A GradScaler continues from the file's, or starts afresh when the
+  /// file has none. A file that does not fit, or is missing or corrupt, is an error that leaves model,
+  /// optimizer and scaler as they were. Tensors are read onto the model's device (with an offloading
+  /// optimizer, where they were saved: its host state stays in host memory). On a CUDA device, a file whose
+  /// state converts is read into host memory, and only the converted state goes to the device (a file it
+  /// keeps as it is is read a second time, onto the device): the state as saved need not fit there. An
+  /// archive passed in is read where it was opened: open it on the CPU (`archive.load_from(path,
+  /// torch::kCPU)`) for the same.
   void load(const std::string& path);
   void load(torch::serialize::InputArchive& archive);
 
