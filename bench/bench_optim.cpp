@@ -137,12 +137,18 @@ void BM_TorchFusedAdamW(benchmark::State& state) {
   const int64_t state_total = memsave::memory_stats(torch::kCPU).current - before;
   torch::NoGradGuard no_grad;
   auto param = problem.param.detach();
-  for (auto _ : state) {
+  const auto one_step = [&] {
     step.add_(1);
     at::_fused_adamw_({param}, {problem.grad}, {m}, {v}, {}, {step}, 1e-3, 0.9, 0.999, 1e-2, 1e-8, false,
                       false);
-  }
+  };
+  const int64_t live = memsave::memory_stats(torch::kCPU).current;
+  memsave::reset_peak(torch::kCPU);
+  one_step();
+  const int64_t transient = memsave::memory_stats(torch::kCPU).peak - live;
+  for (auto _ : state) one_step();
   state.counters["state_bytes_per_param"] = static_cast<double>(state_total) / kParams;
+  state.counters["transient_bytes_per_param"] = static_cast<double>(transient) / kParams;
   state.counters["floor_bytes_per_param"] = 28;
   state.counters["params"] = static_cast<double>(kParams);
 }

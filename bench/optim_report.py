@@ -47,14 +47,16 @@ def main(cpp_path, peers_path, command):
         "BM_TorchOptimAdamWChannelsLast": "LibTorch torch::optim::AdamW (C++)",
         "BM_MemsaveAdamW8bitChannelsLast": "memsave AdamW8bit, 8-bit state",
     }
-    table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter") for k, v in rows.items() if k in labels]
+    table = [(labels[k], v["seconds"], v["state"], v["floor"], "meter", v["transient"])
+             for k, v in rows.items() if k in labels]
     for peer in peers:
         if "error" in peer:
-            table.append((peer["name"], None, None, None, peer["error"]))
+            table.append((peer["name"], None, None, None, peer["error"], None))
             continue
         state = peer["state_bytes_per_param"]
         floor = FLOOR_BYTES["4bit"] if state < 1.5 else FLOOR_BYTES["8bit"] if state < 4 else FLOOR_BYTES["fp32"]
-        table.append((peer["name"], peer["seconds"], peer["state_bytes_per_param"], floor, "its state tensors"))
+        table.append((peer["name"], peer["seconds"], peer["state_bytes_per_param"], floor, "its state tensors",
+                      None))
     bandwidth = max(probes.values())
     params = 1 << 24
     print(f"Command: `{command}`\n")
@@ -76,16 +78,18 @@ def main(cpp_path, peers_path, command):
 
 
 def print_adam(table, base, bandwidth, params):
-    print("| optimizer | step time | vs torch::optim::Adam | state B/param | counted by | floor B/param | "
-          "floor time | fraction of floor |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
-    for name, seconds, state, floor, source in table:
+    # (a Python peer's transient bytes are not counted: the meter sees LibTorch's allocator in this process only)
+    print("| optimizer | step time | vs torch::optim::Adam | state B/param | step's transient B/param | counted by | "
+          "floor B/param | floor time | fraction of floor |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+    for name, seconds, state, floor, source, transient in table:
         if seconds is None:
-            print(f"| {name} | did not run | | | {source} | | | |")
+            print(f"| {name} | did not run | | | | {source} | | | |")
             continue
         floor_time = floor * params / bandwidth
-        print(f"| {name} | {seconds * 1e3:.2f} ms | {base / seconds:.2f}× | {state:.4f} | {source} | {floor} | "
-              f"{floor_time * 1e3:.2f} ms | {floor_time / seconds:.2f} |")
+        shown = "" if transient is None else f"{transient:.4f}"
+        print(f"| {name} | {seconds * 1e3:.2f} ms | {base / seconds:.2f}× | {state:.4f} | {shown} | {source} | "
+              f"{floor} | {floor_time * 1e3:.2f} ms | {floor_time / seconds:.2f} |")
 
 
 def print_table(title, labels, base_name, base_label, rows, bandwidth, params):
