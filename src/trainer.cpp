@@ -679,8 +679,9 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
   // The optimizer's state: converted when it is another's (type, bits) or lists the parameters otherwise.
   const std::vector<std::string> file_names = file_parameter_names(archive);
   const std::vector<std::string> names = parameter_names(*model_, *optimizer_);
-  if (reordered(file_names, names)) check_same_parameters(file_names, names);
-  const bool convert = converts(archive, *model_, *optimizer_, recipe_.state_bits());
+  const bool regrouped = reordered(file_names, names);
+  if (regrouped) check_same_parameters(file_names, names);
+  const bool convert = regrouped || other_state(archive, *optimizer_, recipe_.state_bits());
   // The scaler continues from the file's; a file saved without one starts this Trainer's afresh.
   std::optional<amp::GradScaler> scaler;
   if (scaler_ && scaled) {
@@ -695,8 +696,8 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
   TORCH_CHECK(archive.try_read("optimizer", optimizer), "Trainer::load: the file has no optimizer state");
   auto* offload = dynamic_cast<OffloadOptimizer*>(optimizer_.get());
   if (convert) {
-    // Another format of state (bits, offload): read into an optimizer of the file's type, then converted.
-    // copy_state changes nothing unless it succeeds.
+    // Another format of state (bits, offload), or the parameters in other groups: read into an optimizer of
+    // the file's type, then converted. copy_state changes nothing unless it succeeds.
     std::unique_ptr<torch::optim::Optimizer> file;
     // A CPU stand-in of each parameter, listed in the file's order: by the names the file gives, or else
     // this optimizer's, group after group.
@@ -707,7 +708,7 @@ void Trainer::load(torch::serialize::InputArchive& archive) {
     std::vector<torch::Tensor> stand_ins;
     {
       std::vector<torch::Tensor> in_file_order = params;
-      if (reordered(file_names, names)) {
+      if (regrouped) {
         std::unordered_map<std::string, torch::Tensor> named;
         for (size_t i = 0; i < names.size(); ++i) named.emplace(names[i], params[i]);
         in_file_order.clear();
