@@ -5,6 +5,9 @@
 
 #include <torch/serialize/archive.h>
 
+#include <cstdint>
+#include <vector>
+
 namespace memsave::detail {
 
 using torch::serialize::InputArchive;
@@ -32,6 +35,17 @@ inline bool read_bool(InputArchive& archive, const char* key) {
 inline bool read_bool_or(InputArchive& archive, const char* key, bool absent) {
   c10::IValue value;
   return archive.try_read(key, value) ? value.to<bool>() : absent;
+}
+
+/// A list of integers saved as a 1-D int64 buffer (OffloadOptimizer's offload/group_sizes); empty when the
+/// file has none. `who` names the reader in the error for a field of another kind.
+inline std::vector<int64_t> read_int_list(InputArchive& archive, const char* key, const char* who) {
+  torch::Tensor saved;
+  if (!archive.try_read(key, saved, /*is_buffer=*/true)) return {};
+  TORCH_CHECK(saved.dim() == 1 && saved.scalar_type() == torch::kLong, who, ": the file's ", key,
+              " is not a list of integers");
+  const torch::Tensor values = saved.to(torch::kCPU).contiguous();
+  return {values.data_ptr<int64_t>(), values.data_ptr<int64_t>() + values.numel()};
 }
 
 inline void write_betas(OutputArchive& archive, const optim::betas_t& betas) {

@@ -798,15 +798,9 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   // before groups, one group's).
   const size_t groups = host_group_.size();
   const std::vector<int64_t> sizes = group_sizes(param_groups_, groups);
-  std::vector<int64_t> file_sizes;
-  torch::Tensor saved_sizes;
-  if (archive.try_read("offload/group_sizes", saved_sizes, /*is_buffer=*/true)) {
-    TORCH_CHECK(saved_sizes.dim() == 1 && saved_sizes.scalar_type() == torch::kLong,
-                "OffloadOptimizer::load: the file's offload/group_sizes is not a list of integers");
-    file_sizes.assign(saved_sizes.data_ptr<int64_t>(), saved_sizes.data_ptr<int64_t>() + saved_sizes.numel());
-  } else {
-    file_sizes = {static_cast<int64_t>(std::accumulate(sizes.begin(), sizes.end(), int64_t{0}))};
-  }
+  std::vector<int64_t> file_sizes =
+      detail::read_int_list(archive, "offload/group_sizes", "OffloadOptimizer::load");
+  if (file_sizes.empty()) file_sizes = {std::accumulate(sizes.begin(), sizes.end(), int64_t{0})};
   TORCH_CHECK(file_sizes == sizes, "OffloadOptimizer::load: the file's parameter groups hold ",
               c10::IntArrayRef(file_sizes), " parameters, this optimizer's ", c10::IntArrayRef(sizes));
   const std::vector<OffloadOptimizerOptions> current = options_of(param_groups_, groups);

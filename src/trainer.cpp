@@ -474,12 +474,7 @@ std::vector<int64_t> file_group_sizes(const std::string& type, torch::serialize:
       sizes.push_back(params.item<int64_t>());
     }
   } else if (type == "memsave::OffloadOptimizer") {
-    torch::Tensor saved;
-    if (state.try_read("offload/group_sizes", saved, /*is_buffer=*/true)) {
-      TORCH_CHECK(saved.dim() == 1 && saved.scalar_type() == torch::kLong,
-                  "Trainer::load: the file's offload/group_sizes is not a list of integers");
-      sizes.assign(saved.data_ptr<int64_t>(), saved.data_ptr<int64_t>() + saved.numel());
-    }
+    sizes = detail::read_int_list(state, "offload/group_sizes", "Trainer::load");
   } else {
     c10::IValue groups;
     if (state.try_read("groups", groups) && groups.isInt()) {
