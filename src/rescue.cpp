@@ -480,10 +480,14 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
   if (root >= 2 && root < static_cast<int64_t>(elements))
     levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::segments(root)));
   if (elements >= 2) levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::every_layer()));
-  levels.push_back(Recipe(levels.back()).state_bits(8));
-  levels.push_back(Recipe(levels.back()).state_bits(4));
   // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
-  levels.push_back(Recipe(levels.back()).state_bits(8).offload(Offload::kOptimizerState));
+  const Recipe states[] = {Recipe().state_bits(8), Recipe().state_bits(4),
+                           Recipe().state_bits(8).offload(Offload::kOptimizerState)};
+  for (const Recipe& state : states) {
+    levels.push_back(state);
+    levels.push_back(Recipe(state).amp(amp));
+    if (elements >= 2) levels.push_back(Recipe(state).amp(amp).checkpoint(Checkpointing::every_layer()));
+  }
   levels.erase(std::remove_if(levels.begin(), levels.end(),
                               [&](const Recipe& r) { return !builds_state(optimizer, r); }),
                levels.end());
@@ -496,6 +500,29 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
   for (const Recipe& level : levels)
     for (int64_t m : micro) out.push_back(Recipe(level).micro_batch(m == batch ? 0 : m));
   return out;
+}
+
+bool adds_only_work(const Recipe& recipe, const Recipe& fitted, int64_t batch) {
+  TORCH_CHECK(batch > 0, "adds_only_work: batch must be > 0, got ", batch);
+  auto rows = [batch](const Recipe& r) {
+    return r.micro_batch() > 0 ? std::min(r.micro_batch(), batch) : batch;
+  };
+  using Kind = Checkpointing::Kind;
+  // How much a plan recomputes, where plans compare: none, then segments, then every layer.
+  auto recomputes = [](const Checkpointing& c) {
+    return c.kind == Kind::kNone ? 0 : c.kind == Kind::kSegments ? 1 : c.kind == Kind::kEveryLayer ? 2 : -1;
+  };
+  const Checkpointing &mine = recipe.checkpoint(), &theirs = fitted.checkpoint();
+  const bool same_plan = mine.kind == theirs.kind && mine.count == theirs.count &&
+                         mine.max_run == theirs.max_run && mine.name == theirs.name;
+  const bool more_recomputation =
+      same_plan || (recomputes(theirs) >= 0 && recomputes(mine) > recomputes(theirs));
+  // Everything else the same: compared through the C++ that builds each recipe without those two.
+  auto rest = [](const Recipe& r) {
+    const Recipe bare = Recipe(r).micro_batch(0).checkpoint(Checkpointing::none());
+    return bare.to_cpp();
+  };
+  return rows(recipe) <= rows(fitted) && more_recomputation && rest(recipe) == rest(fitted);
 }
 
 std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double tie) {
@@ -552,22 +579,23 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
     c.static_bytes = model.static_bytes(r);
     plan.candidates.push_back(std::move(c));
   }
-  // A level is the recipe without its micro-batch; within a level the micro-batches go from large to small
-  // and the first that fits ends the level (smaller ones only add steps).
-  auto level_of = [](const Recipe& r) { return Recipe(r).micro_batch(0).label(); };
-  std::string fitted_level;
+  // Within a level the micro-batches go from large to small, and a level with more checkpointing comes after
+  // the one with less: a candidate that only adds steps or recomputation to one that fits is not run.
+  std::vector<const Recipe*> fitted;
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     Candidate& c = plan.candidates[i];
-    const std::string level = level_of(c.recipe);
+    const bool dominated = std::any_of(fitted.begin(), fitted.end(), [&](const Recipe* f) {
+      return adds_only_work(c.recipe, *f, options.batch());
+    });
     if (c.static_bytes > options.budget()) {
       c.status = Candidate::Status::kCannotFit;
-    } else if (level == fitted_level) {
+    } else if (dominated) {
       c.status = Candidate::Status::kNotNeeded;
     } else {
       c.measured =
           measure(setup, c.recipe, options.batch(), options.device(), options.steps(), options.budget());
       c.status = c.measured.out_of_memory ? Candidate::Status::kOutOfMemory : Candidate::Status::kFits;
-      if (c.status == Candidate::Status::kFits) fitted_level = level;
+      if (c.status == Candidate::Status::kFits) fitted.push_back(&c.recipe);
     }
     if (options.progress()) options.progress()(i + 1, plan.candidates.size());
   }

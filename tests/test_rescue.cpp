@@ -154,7 +154,8 @@ TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
       EXPECT_EQ(*r.amp(), amp) << r.label();
       EXPECT_EQ(r.scales_gradients(), amp == torch::kHalf) << r.label();  // fp16 needs its GradScaler
     }
-    EXPECT_EQ(mixed, static_cast<int>(recipes.size()) - 4);  // all but fp32 at micro-batches 8, 4, 2, 1
+    // all but fp32, 8-bit, 4-bit and offloaded state without it, at micro-batches 8, 4, 2, 1
+    EXPECT_EQ(mixed, static_cast<int>(recipes.size()) - 4 * 4);
   }
   EXPECT_THROW(checklist(8, 4, torch::kFloat), c10::Error);
 
@@ -168,7 +169,8 @@ TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
   EXPECT_THROW(fp16.predict(Recipe().amp(torch::kBFloat16)), c10::Error);
   EXPECT_EQ(fp16.predict(Recipe()), bf16.predict(Recipe()));
   EXPECT_THROW(MemoryModel::profile(setup, batch, torch::kCPU, torch::kFloat), c10::Error);
-  // Room for every level's whole batch: each level's first candidate runs, with fp16 and its GradScaler.
+  // Room for every level's whole batch: each level's first candidate runs, with fp16 and its GradScaler, but
+  // where it only adds work to one that fits.
   const int64_t budget = 2 * fp16.predict(Recipe());
   const RescuePlan plan = rescue(setup, RescueOptions(batch, budget).amp(torch::kHalf).steps(2));
   int ran = 0;
@@ -176,12 +178,13 @@ TEST(Rescue, MixedPrecisionIsBf16OnTheCpuOrTheDtypeAsked) {
     if (!c.recipe.amp()) continue;
     EXPECT_EQ(*c.recipe.amp(), torch::kHalf) << c.recipe.label();
     EXPECT_NE(c.recipe.to_cpp().find(".amp(torch::kHalf)"), std::string::npos) << c.recipe.to_cpp();
-    if (c.recipe.micro_batch() == 0) {
+    if (c.recipe.micro_batch() == 0 && c.status != Candidate::Status::kNotNeeded) {
       EXPECT_EQ(c.status, Candidate::Status::kFits) << c.recipe.label();
       ++ran;
     }
   }
-  EXPECT_GE(ran, 4);  // fp16, + checkpointing (2 levels), + 8-bit, 4-bit and offloaded state
+  // fp16, and fp16 with 8-bit, 4-bit and offloaded state (checkpointing would only add recomputation to them)
+  EXPECT_GE(ran, 4);
   EXPECT_THROW(rescue(setup, RescueOptions(batch, budget).amp(torch::kFloat)), c10::Error);
 }
 
@@ -214,17 +217,102 @@ TEST(Rescue, TheChecklistHasTheStateLevelsTheOptimizerBuilds) {
     return out;
   };
   const std::vector<std::string> all = levels(adamw());
-  // fp32, bf16, + ckpt 2 segments, + ckpt every layer, + 8-bit, + 4-bit, + offload
-  ASSERT_EQ(all.size(), 7u);
-  EXPECT_EQ(all[4], "bf16 + ckpt every layer + 8-bit state");
-  EXPECT_EQ(all[5], "bf16 + ckpt every layer + 4-bit state");
-  EXPECT_EQ(all[6], "bf16 + ckpt every layer + 8-bit state + offload state");
-  EXPECT_EQ(levels(sgd(0.1)), std::vector<std::string>(all.begin(), all.end() - 1));
+  // fp32, bf16, + ckpt 2 segments, + ckpt every layer; then 8-bit, 4-bit and offloaded state each alone, with
+  // bf16, and with bf16 and checkpointing every layer
+  const std::vector<std::string> expected = {"baseline",
+                                             "bf16",
+                                             "bf16 + ckpt 2 segments",
+                                             "bf16 + ckpt every layer",
+                                             "8-bit state",
+                                             "bf16 + 8-bit state",
+                                             "bf16 + ckpt every layer + 8-bit state",
+                                             "4-bit state",
+                                             "bf16 + 4-bit state",
+                                             "bf16 + ckpt every layer + 4-bit state",
+                                             "8-bit state + offload state",
+                                             "bf16 + 8-bit state + offload state",
+                                             "bf16 + ckpt every layer + 8-bit state + offload state"};
+  EXPECT_EQ(all, expected);
+  EXPECT_EQ(levels(sgd(0.1)), std::vector<std::string>(all.begin(), all.end() - 3));
   EXPECT_EQ(levels(plain), std::vector<std::string>(all.begin(), all.begin() + 4));
   std::vector<std::string> without_four = all;
-  without_four.erase(without_four.begin() + 5);
+  without_four.erase(without_four.begin() + 7, without_four.begin() + 10);
   EXPECT_EQ(levels(refusing), without_four);
+  // A model of one element has nothing to checkpoint: no checkpointed levels, none twice.
+  std::vector<std::string> one;
+  for (const Recipe& r : checklist(8, 1, torch::kBFloat16))
+    if (r.micro_batch() == 0) one.push_back(r.label());
+  EXPECT_EQ(one, std::vector<std::string>({"baseline", "bf16", "8-bit state", "bf16 + 8-bit state",
+                                           "4-bit state", "bf16 + 4-bit state", "8-bit state + offload state",
+                                           "bf16 + 8-bit state + offload state"}));
   EXPECT_EQ(checklist(8, 4, torch::kBFloat16, plain).size(), 4u * 4u);  // micro-batches 8 (whole), 4, 2, 1
+}
+
+TEST(Rescue, ACandidateAddsOnlyWorkWithSmallerMicroBatchesOrMoreCheckpointing) {
+  const Recipe bf16 = Recipe().amp(torch::kBFloat16);
+  const Recipe segments = Recipe(bf16).checkpoint(Checkpointing::segments(3));
+  const Recipe every = Recipe(bf16).checkpoint(Checkpointing::every_layer());
+  const int64_t batch = 16;
+  EXPECT_TRUE(adds_only_work(bf16, bf16, batch));
+  EXPECT_TRUE(adds_only_work(Recipe(bf16).micro_batch(8), bf16, batch));
+  EXPECT_FALSE(adds_only_work(bf16, Recipe(bf16).micro_batch(8), batch));
+  EXPECT_TRUE(adds_only_work(bf16, Recipe(bf16).micro_batch(16), batch));  // the whole batch, either way
+  EXPECT_TRUE(adds_only_work(Recipe(bf16).micro_batch(32), bf16, batch));
+  // checkpointing: none, then segments, then every layer
+  EXPECT_TRUE(adds_only_work(segments, bf16, batch));
+  EXPECT_TRUE(adds_only_work(every, segments, batch));
+  EXPECT_TRUE(adds_only_work(Recipe(every).micro_batch(4), Recipe(bf16).micro_batch(8), batch));
+  EXPECT_FALSE(adds_only_work(bf16, segments, batch));
+  EXPECT_FALSE(adds_only_work(segments, every, batch));
+  EXPECT_FALSE(
+      adds_only_work(Recipe(every).micro_batch(0), Recipe(bf16).micro_batch(8), batch));  // fewer steps
+  EXPECT_FALSE(adds_only_work(Recipe(bf16).checkpoint(Checkpointing::segments(2)), segments, batch));
+  const Recipe policy = Recipe(bf16).checkpoint(Checkpointing::policy(nn::keep_compute_heavy(), 1, "heavy"));
+  EXPECT_TRUE(adds_only_work(policy, policy, batch));
+  EXPECT_FALSE(adds_only_work(policy, bf16, batch));  // a policy may keep everything
+  EXPECT_FALSE(adds_only_work(every, policy, batch));
+  // anything else different: not comparable
+  EXPECT_FALSE(adds_only_work(every, Recipe(), batch));
+  EXPECT_FALSE(adds_only_work(Recipe(every).state_bits(8), bf16, batch));
+  EXPECT_FALSE(adds_only_work(Recipe(bf16).state_bits(8), Recipe().state_bits(8), batch));
+  EXPECT_FALSE(adds_only_work(Recipe(segments).offload_activations(true), segments, batch));
+  EXPECT_FALSE(adds_only_work(Recipe(bf16).max_grad_norm(1.0), bf16, batch));
+  EXPECT_THROW(adds_only_work(bf16, bf16, 0), c10::Error);
+}
+
+TEST(Rescue, LowBitStateIsMeasuredWithoutCheckpointingAndWhatOnlyAddsWorkIsNotRun) {
+  // The MLP's weights outweigh its activations: AdamW's fp32 state does not fit the budget, and 8-bit state
+  // alone (fp32 compute, no checkpointing) does. The walk measures it, and skips every candidate that only
+  // adds steps or recomputation to one that fits; every candidate it runs adds to none.
+  const TrainingSetup setup = training_setup("mlp");
+  const int64_t batch = 8;
+  const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU);
+  const int64_t budget = model.predict(Recipe().state_bits(8)) + (int64_t{1} << 20);
+  ASSERT_GT(model.static_bytes(Recipe()), budget);
+  const RescuePlan plan = rescue(setup, RescueOptions(batch, budget).steps(2));
+  int skipped = 0, alone = 0;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Candidate& c = plan.candidates[i];
+    SCOPED_TRACE(c.recipe.label());
+    if (c.recipe.label() == "8-bit state") {
+      ++alone;
+      EXPECT_EQ(c.status, Candidate::Status::kFits);
+      EXPECT_LE(c.measured.peak, budget);
+    }
+    bool adds_to_a_fit = false;
+    for (size_t j = 0; j < i; ++j) {
+      const Candidate& earlier = plan.candidates[j];
+      adds_to_a_fit = adds_to_a_fit || (earlier.status == Candidate::Status::kFits &&
+                                        adds_only_work(c.recipe, earlier.recipe, batch));
+    }
+    if (c.status == Candidate::Status::kCannotFit) continue;
+    EXPECT_EQ(c.status == Candidate::Status::kNotNeeded, adds_to_a_fit);
+    skipped += c.status == Candidate::Status::kNotNeeded;
+  }
+  EXPECT_EQ(alone, 1);
+  EXPECT_GT(skipped, 0);
+  ASSERT_TRUE(plan.recommended.has_value());
+  EXPECT_LE(plan.candidates[*plan.recommended].measured.peak, budget);
 }
 
 TEST(Rescue, AFactoryThatIgnoresTheRecipeGetsOnlyFp32LevelsMeasured) {

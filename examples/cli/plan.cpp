@@ -32,7 +32,7 @@ std::string status_text(const Candidate& c) {
     case Candidate::Status::kCannotFit:
       return "cannot fit (static bytes)";  // parameters, gradients, state and batch alone
     case Candidate::Status::kNotNeeded:
-      return "not run (larger micro-batch fits)";
+      return "not run (adds only work)";
   }
   return "?";
 }
@@ -154,7 +154,8 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
   }
   if (not_needed > 0)
     out << "(" << not_needed
-        << " smaller micro-batches of recipes that already fit were not run: they only add steps)\n";
+        << " candidates were not run: each only adds steps (a smaller micro-batch) or recomputation (more "
+           "checkpointing) to one that fits)\n";
   out << "\n";
   if (plan.recommended) {
     const Candidate& c = plan.candidates[*plan.recommended];
@@ -288,6 +289,7 @@ std::vector<std::pair<std::string, Recipe>> bench_recipes(int64_t batch) {
       {"offload", Recipe().offload(Offload::kOptimizerState)},
       {"micro4+bf16", Recipe(bf16).micro_batch(quarter)},
       {"bf16+ckpt", Recipe(bf16).checkpoint(Checkpointing::every_layer())},
+      {"bf16+8bit", Recipe(bf16).state_bits(8)},
       {"bf16+ckpt+8bit", Recipe(bf16).checkpoint(Checkpointing::every_layer()).state_bits(8)},
       {"bf16+ckpt+4bit", Recipe(bf16).checkpoint(Checkpointing::every_layer()).state_bits(4)},
       {"all", Recipe(bf16).micro_batch(quarter).checkpoint(Checkpointing::every_layer()).state_bits(8)},

@@ -153,7 +153,7 @@ struct Candidate {
     kFits,
     kOutOfMemory,
     kCannotFit,  ///< not run: its static bytes exceed the budget
-    kNotNeeded,  ///< not run: a larger micro-batch of the same recipe already fits
+    kNotNeeded,  ///< not run: a recipe it only adds work to already fits (adds_only_work)
   };
   Recipe recipe;
   int64_t predicted = 0;
@@ -189,12 +189,21 @@ struct RescuePlan {
 c10::ScalarType mixed_precision_dtype(c10::Device device);
 
 /// The candidates of the checklist, in order: levels fp32, +mixed precision (autocast to `amp`: kBFloat16,
-/// or kHalf with a GradScaler), +checkpointing √n segments, +checkpointing every layer, +8-bit state, +4-bit
-/// state, +8-bit state offloaded, each with micro-batches batch, batch/2, ... 1; but the levels whose state
-/// `optimizer` does not build (builds_state: memsave::sgd has no offloaded state, a factory that returns
+/// or kHalf with a GradScaler), +checkpointing √n segments, +checkpointing every layer; then for each of
+/// 8-bit state, 4-bit state and 8-bit state offloaded, that state alone, with mixed precision, and with mixed
+/// precision and checkpointing every layer (where the optimizer's state outweighs the activations, low-bit
+/// state alone fits and runs faster than with checkpointing, and without autocast's half-precision copies of
+/// the weights); each level with micro-batches batch, batch/2, ... 1. The levels whose state `optimizer` does
+/// not build are left out (builds_state: memsave::sgd has no offloaded state, a factory that returns
 /// LibTorch's optimizer whatever the recipe no low-bit state).
 std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp,
                               const OptimizerFactory& optimizer = adamw());
+
+/// Whether `recipe` only adds work to `fitted` for the same effective `batch`, so that it cannot run faster
+/// where `fitted` fits: the same recipe but for micro-batches no larger (more steps) and checkpointing that
+/// recomputes no less (none, then √n segments, then every layer; a policy only as itself). The rescue does
+/// not run such a candidate once `fitted` fits.
+bool adds_only_work(const Recipe& recipe, const Recipe& fitted, int64_t batch);
 
 /// The rescue's choice among measured candidates (in checklist order): the first that fits whose step time is
 /// at most (1 + tie) times the fastest fitting one's; none when nothing fits.
