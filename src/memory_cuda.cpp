@@ -8,6 +8,7 @@
 #include <ATen/cuda/PinnedMemoryAllocator.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
@@ -98,6 +99,16 @@ void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes) {
   const auto total = static_cast<double>(at::cuda::getDeviceProperties(index)->totalGlobalMem);
   const double fraction = bytes ? std::min(1.0, static_cast<double>(*bytes) / total) : 1.0;
   c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, index);
+}
+
+int64_t cuda_room(c10::DeviceIndex index) {
+  ready(index);
+  const c10::cuda::CUDAGuard guard(index);
+  size_t free = 0, total = 0;
+  C10_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
+  const int64_t cached = stats.reserved_bytes[kAggregate].current - stats.allocated_bytes[kAggregate].current;
+  return static_cast<int64_t>(free) + cached;
 }
 
 std::pair<int, int> cuda_compute_capability(c10::DeviceIndex index) {

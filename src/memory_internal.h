@@ -25,6 +25,9 @@ c10::DeviceIndex cuda_current_device();
 DeviceCounts cuda_counts(c10::DeviceIndex index);
 void cuda_reset_peak(c10::DeviceIndex index);
 void cuda_set_budget(c10::DeviceIndex index, std::optional<int64_t> bytes);
+/// Bytes CUDA device `index` can still give this process: the driver's free memory and what LibTorch's
+/// caching allocator holds reserved but unallocated.
+int64_t cuda_room(c10::DeviceIndex index);
 /// The compute capability (major, minor) of CUDA device `index`.
 std::pair<int, int> cuda_compute_capability(c10::DeviceIndex index);
 /// Pinned host memory from the CUDA runtime, or nothing when no CUDA device is usable.

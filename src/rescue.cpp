@@ -546,6 +546,18 @@ double timing_noise(const std::vector<Candidate>& candidates) {
 
 int64_t simulated_device_room() { return host_memory_available() / 10 * 9; }
 
+int64_t device_room(c10::Device device) {
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "device_room: device must be cpu or cuda, got ", device);
+  if (device.is_cpu()) return simulated_device_room();
+#ifdef MEMSAVE_WITH_CUDA
+  TORCH_CHECK(torch::cuda::is_available(), "device_room: device ", device,
+              " requested but no CUDA device is available");
+  return detail::cuda_room(device.has_index() ? device.index() : detail::cuda_current_device());
+#else
+  TORCH_CHECK(false, "memsave: this build has no CUDA support (configure with -DMEMSAVE_WITH_CUDA=ON)");
+#endif
+}
+
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   TORCH_CHECK(options.batch() > 0, "rescue: batch must be > 0, got ", options.batch());
   TORCH_CHECK(options.budget() > 0, "rescue: budget must be > 0, got ", options.budget());

@@ -136,6 +136,15 @@ TEST(Cli, BadOptionsExitWith2) {
   EXPECT_EQ(invoke("--help").code, 0);
 }
 
+TEST(Cli, RescueOnTheCpuNeedsABudget) {
+  // The simulated device has no size of its own (on CUDA the default is the card's free memory:
+  // CudaRescue.DeviceRoomIsTheFreeMemoryAndTheCache).
+  const Result r = invoke("rescue --model mlp --batch 8 --steps 2");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "--budget is required with --device cpu")) << r.output;
+  EXPECT_FALSE(contains(r.output, "memsave rescue: model")) << "it ran:\n" << r.output;
+}
+
 TEST(Cli, MalformedBudgetsAreParsedOrRejectedClearly) {
   const Result ambiguous = invoke("report --model mlp --budget 12G");
   EXPECT_EQ(ambiguous.code, 2);
@@ -293,7 +302,7 @@ TEST(Cli, RescueWhereNothingFitsNamesTheClosestMiss) {
 TEST(Cli, PlanningCommandsRejectBadInput) {
   EXPECT_EQ(invoke("rescue --model gpt-tiny --batch 0 --budget 1GiB").code, 2);
   EXPECT_EQ(invoke("rescue --model gpt-tiny --budget 12G").code, 2);  // ambiguous unit
-  EXPECT_EQ(invoke("rescue --model gpt-tiny").code, 2);               // no budget
+  EXPECT_EQ(invoke("rescue --model gpt-tiny").code, 2);               // no budget, on the CPU
   EXPECT_EQ(invoke("bench --model gpt-tiny --recipes baseline,warp-drive").code, 2);
   EXPECT_EQ(invoke("bench --model gpt-tiny --batch -1").code, 2);
   const Result cuda = invoke("rescue --model gpt-tiny --budget 1GiB --device cuda");

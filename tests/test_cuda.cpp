@@ -623,6 +623,27 @@ TEST(CudaAmp, FusedUnscaleIsBitIdenticalToTheUnscalePass) {
   for (size_t i = 0; i < fused.size(); ++i) EXPECT_TRUE(torch::equal(fused[i], plain[i])) << i;
 }
 
+TEST(CudaRescue, DeviceRoomIsTheFreeMemoryAndTheCache) {
+  SKIP_WITHOUT_CUDA();
+  torch::cuda::synchronize();
+  constexpr int64_t kMiB = int64_t{1} << 20;
+  const int64_t total = static_cast<int64_t>(at::cuda::getDeviceProperties(0)->totalGlobalMem);
+  const int64_t before = device_room(kCuda);
+  EXPECT_GT(before, 0);
+  EXPECT_LE(before, total);
+  EXPECT_NEAR(static_cast<double>(device_room(torch::kCUDA)), static_cast<double>(before), 4.0 * kMiB);
+  const int64_t bytes = 256 * kMiB;
+  {
+    const torch::Tensor held =
+        torch::empty({bytes}, torch::TensorOptions().dtype(torch::kByte).device(kCuda));
+    const int64_t during = device_room(kCuda);
+    // what the tensor holds is gone from the room, give or take the driver's and allocator's rounding
+    EXPECT_NEAR(static_cast<double>(before - during), static_cast<double>(bytes), 4.0 * kMiB);
+  }
+  // freed into LibTorch's cache: the driver counts it as used, the room counts it as there
+  EXPECT_NEAR(static_cast<double>(device_room(kCuda)), static_cast<double>(before), 4.0 * kMiB);
+}
+
 TEST(CudaRescue, MixedPrecisionIsBf16FromAmpereOnAndFp16WithAScalerBefore) {
   SKIP_WITHOUT_CUDA();
   const int major = at::cuda::getDeviceProperties(0)->major;

@@ -373,6 +373,16 @@ TEST(Rescue, OnTheCpuARunLargerThanTheHostEndsAsAnOutOfMemoryNotAKill) {
   EXPECT_GT(host_memory_available(), 0);
 }
 
+TEST(Rescue, TheCpusDeviceRoomIsTheSimulatedDevicesRoom) {
+  // (on CUDA: CudaRescue.DeviceRoomIsTheFreeMemoryAndTheCache)
+  const int64_t room = device_room(torch::kCPU);
+  EXPECT_GT(room, 0);
+  EXPECT_LE(room, host_memory_available());
+  // both read the host's available memory, which moves between two readings
+  EXPECT_NEAR(static_cast<double>(room), static_cast<double>(simulated_device_room()), 64.0 * (1 << 20));
+  EXPECT_THROW(device_room(torch::kMeta), c10::Error);
+}
+
 TEST(Rescue, OnTheCpuRunsStopAtTheSimulatedDeviceRoom) {
   // A batch factory that first asks the pool for `extra` bytes, never touched (so they take no host memory
   // under Linux's overcommit), and lets them go.

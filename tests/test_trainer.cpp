@@ -1129,9 +1129,10 @@ TEST(TrainerErrors, ALoadThatDoesNotFitChangesNothing) {
       trainer->load(path);
       ADD_FAILURE() << "loaded";
     } catch (const c10::Error& e) {
-      if (path == bad[5])
+      if (path == bad[5]) {
         EXPECT_NE(e.msg().find("the file's optimizer has no state for parameter 0.bias"), std::string::npos)
             << e.msg();
+      }
     }
     expect_equal(model_tensors(net), before);
   }

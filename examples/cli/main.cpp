@@ -91,8 +91,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   rescue_cmd->add_option("--batch", rescue_batch, "Effective batch (rows per optimizer step)")
       ->capture_default_str();
-  rescue_cmd->add_option("--budget", rescue_budget, "Device memory the step may use, e.g. 300MiB")
-      ->required();
+  rescue_cmd->add_option(
+      "--budget", rescue_budget,
+      "Device memory the step may use, e.g. 300MiB (required on cpu, whose device is simulated; "
+      "on cuda the default is what the card can give now: its free memory)");
   rescue_cmd->add_option("--device", rescue_device, "cpu (simulated device) or cuda")
       ->check(CLI::IsMember({"cpu", "cuda"}))
       ->capture_default_str();
@@ -161,17 +163,19 @@ int main(int argc, char** argv) {
       return report_command(report, json);
     }
     if (rescue_cmd->parsed()) {
-      const int64_t budget_bytes = memsave::parse_bytes(rescue_budget);
-      TORCH_CHECK(budget_bytes > 0, "--budget must be positive, got '", rescue_budget, "'");
       TORCH_CHECK(rescue_batch > 0, "--batch must be > 0, got ", rescue_batch);
+      const c10::Device device = parse_device(rescue_device);
+      TORCH_CHECK(!rescue_budget.empty() || device.is_cuda(),
+                  "--budget is required with --device cpu: the simulated device has no size of its own (give "
+                  "the memory of the card to plan for, e.g. --budget 16GiB)");
+      const int64_t budget_bytes =
+          rescue_budget.empty() ? memsave::device_room(device) : memsave::parse_bytes(rescue_budget);
+      TORCH_CHECK(budget_bytes > 0, "--budget must be positive, got '", rescue_budget, "'");
       TORCH_CHECK(rescue_steps >= 2, "--steps must be >= 2, got ", rescue_steps);
       TORCH_CHECK(std::isfinite(rescue_tie) && rescue_tie >= 0, "--tie must be a fraction >= 0, got ",
                   rescue_tie);
       memsave::RescueOptions options(rescue_batch, budget_bytes);
-      options.device(parse_device(rescue_device))
-          .amp(parse_amp(rescue_amp))
-          .steps(rescue_steps)
-          .tie(rescue_tie);
+      options.device(device).amp(parse_amp(rescue_amp)).steps(rescue_steps).tie(rescue_tie);
       if (!rescue_json && isatty(STDERR_FILENO)) {
         options.progress([](size_t done, size_t total) {
           std::cerr << "\rcandidate " << done << "/" << total << std::flush;

@@ -52,6 +52,11 @@ struct Measurement {
 /// tenths of `host_memory_available()`, the rest left for what LibTorch allocates outside the pool.
 int64_t simulated_device_room();
 
+/// What `device` can give a training step now, the CLI's budget of `memsave rescue` when none is given: on
+/// CUDA the card's free memory (the driver's count) and what LibTorch's caching allocator holds but does not
+/// use; on the CPU, where the device is simulated in host memory, `simulated_device_room()`.
+int64_t device_room(c10::Device device);
+
 /// Builds a fresh model and Trainer for `recipe` and runs `steps` (>= 2) training steps on a batch of `batch`
 /// rows; with a budget, what the run allocates is bounded by it and an allocation past it ends the run as
 /// out_of_memory. On the CPU the run is also bounded by `simulated_device_room()`.
