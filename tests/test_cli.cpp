@@ -374,6 +374,35 @@ TEST(Cli, BenchRejectsABadRecipeListOrPlotBeforeRunningAnything) {
   }
 }
 
+TEST(Cli, RescuePlotsTheCandidatesThatFitWithTheBudgetAndTheRecommendation) {
+  if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot is not installed";
+  const std::string path = ::testing::TempDir() + "memsave_rescue.svg";
+  std::remove(path.c_str());
+  const Result r = invoke_stdout("rescue --model mlp --batch 8 --budget 1GiB --steps 2 --plot " + path);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto at = r.output.find("recommended: ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::string recommended = r.output.substr(at + 13, r.output.find(" \u2014", at) - at - 13);
+  std::ifstream svg(path);
+  const std::string text((std::istreambuf_iterator<char>(svg)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(contains(text, "<svg")) << text.substr(0, 200);
+  // the title, the key's two entries, and the recommended recipe's label
+  for (const std::string& what :
+       {std::string("memsave rescue: mlp, batch 8, budget 1.00 GiB"), std::string(">budget<"),
+        std::string(">recommended<"), ">" + recommended + "<"})
+    EXPECT_TRUE(contains(text, what)) << what;
+  // Nothing fits: exit 3 and no file. A path it cannot write: exit 2 before anything runs.
+  std::remove(path.c_str());
+  const Result none = invoke("rescue --model mlp --batch 8 --budget 30MiB --steps 2 --plot " + path);
+  EXPECT_EQ(none.code, 3) << none.output;
+  EXPECT_TRUE(contains(none.output, "nothing fits, so --plot drew nothing")) << none.output;
+  EXPECT_EQ(std::fopen(path.c_str(), "rb"), nullptr);
+  const Result bad =
+      invoke("rescue --model mlp --batch 8 --budget 1GiB --plot /nonexistent-memsave-folder/a.png");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_FALSE(contains(bad.output, "memsave rescue: model")) << bad.output;
+}
+
 TEST(Cli, BenchPlotsValidPngAndSvg) {
   if (std::system("command -v gnuplot >/dev/null 2>&1") != 0) GTEST_SKIP() << "gnuplot is not installed";
   const std::string dir = ::testing::TempDir();

@@ -109,6 +109,11 @@ int main(int argc, char** argv) {
                    "earliest on the checklist is recommended")
       ->capture_default_str();
   rescue_cmd->add_flag("--json", rescue_json, "JSON instead of a table");
+  std::string rescue_plot;
+  rescue_cmd->add_option(
+      "--plot", rescue_plot,
+      "Write the candidates that fit, peak memory against step time, with the budget and the "
+      "recommended one marked, to FILE (.png or .svg)");
 
   // estimate
   std::string estimate_model = "gpt-tiny", estimate_device = "cpu", estimate_amp = "auto";
@@ -168,6 +173,7 @@ int main(int argc, char** argv) {
       TORCH_CHECK(!rescue_budget.empty() || device.is_cuda(),
                   "--budget is required with --device cpu: the simulated device has no size of its own (give "
                   "the memory of the card to plan for, e.g. --budget 16GiB)");
+      if (!rescue_plot.empty()) memsave::cli::check_plot(rescue_plot);
       const int64_t budget_bytes =
           rescue_budget.empty() ? memsave::device_room(device) : memsave::parse_bytes(rescue_budget);
       TORCH_CHECK(budget_bytes > 0, "--budget must be positive, got '", rescue_budget, "'");
@@ -186,6 +192,8 @@ int main(int argc, char** argv) {
       std::cout << (rescue_json ? memsave::cli::rescue_json(plan, options, rescue_model)
                                 : memsave::cli::format_rescue(plan, options, rescue_model))
                 << "\n";
+      if (!rescue_plot.empty() && !memsave::cli::plot_rescue(plan, options, rescue_model, rescue_plot))
+        std::cerr << "memsave: nothing fits, so --plot drew nothing\n";
       return plan.recommended ? 0 : kOutOfMemory;
     }
     if (estimate_cmd->parsed()) {

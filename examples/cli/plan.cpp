@@ -18,6 +18,7 @@
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 namespace memsave::cli {
@@ -497,34 +498,81 @@ void check_plot(const std::string& path) {
               "--plot needs gnuplot (Debian: apt-get install gnuplot-nox)");
 }
 
-void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
-                const std::string& path) {
-  TORCH_CHECK(
-      std::any_of(rows.begin(), rows.end(), [](const BenchRow& r) { return !r.measured.out_of_memory; }),
-      "--plot: nothing to draw, every recipe ran out of memory");
+namespace {
+
+/// One point of a plot: a run that fit.
+struct PlotPoint {
+  double seconds = 0;
+  int64_t peak = 0;
+  std::string label;
+  bool highlighted = false;  ///< drawn larger, in another colour, with the key's `highlight` title
+};
+
+/// Peak memory against step time, one labelled point each, drawn with gnuplot into `path` (which check_plot
+/// accepted); with `budget`, a dashed line at it.
+void draw(const std::vector<PlotPoint>& points, const std::string& title, std::optional<int64_t> budget,
+          const std::string& highlight, const std::string& path) {
   const bool svg = path.substr(path.size() - 4) == ".svg";
   const std::string data = path + ".dat", script = path + ".gp";
+  bool any_highlighted = false;
   {
     std::ofstream d(data);
-    for (const BenchRow& r : rows)
-      if (!r.measured.out_of_memory)
-        d << fixed(r.measured.seconds, 6) << " " << fixed(r.measured.peak / 1048576.0, 3) << " \"" << r.name
-          << "\"\n";
+    for (const PlotPoint& p : points) {
+      std::string label = p.label;
+      std::replace(label.begin(), label.end(), '"', '\'');
+      d << fixed(p.seconds, 6) << " " << fixed(p.peak / 1048576.0, 3) << " \"" << label << "\" "
+        << (p.highlighted ? 1 : 0) << "\n";
+      any_highlighted = any_highlighted || p.highlighted;
+    }
   }
   {
     std::ofstream g(script);
     g << "set terminal " << (svg ? "svg size 900,600" : "pngcairo size 900,600") << "\n"
       << "set output '" << path << "'\n"
-      << "set title 'memsave bench: " << model << ", batch " << batch << "'\n"
-      << "set xlabel 'step time (s)'\nset ylabel 'peak memory (MiB)'\nset grid\nunset key\n"
-      << "plot '" << data
-      << "' using 1:2 with points pt 7 ps 1.5, '' using 1:2:3 with labels offset 1,1 left\n";
+      << "set title '" << title << "'\n"
+      << "set xlabel 'step time (s)'\nset ylabel 'peak memory (MiB)'\nset grid\nset key top right\n"
+      << "set offsets graph 0.05, graph 0.3, graph 0.1, graph 0.05\n"
+      << "plot '" << data << "' using 1:2 with points pt 7 ps 1.5 lc rgb '#1f77b4' notitle, "
+      << "'' using 1:2:3 with labels offset 1,1 left font ',9' notitle";
+    if (any_highlighted)
+      g << ", '' using 1:($4 == 1 ? $2 : 1/0) with points pt 7 ps 2.5 lc rgb '#d62728' title '" << highlight
+        << "'";
+    if (budget)
+      g << ", " << fixed(*budget / 1048576.0, 3) << " with lines dt 2 lc rgb '#555555' title 'budget'";
+    g << "\n";
   }
   const int status = std::system(("gnuplot '" + script + "' 2>&1").c_str());
   std::remove(data.c_str());
   std::remove(script.c_str());
   TORCH_CHECK(status == 0, "--plot: gnuplot could not draw '", path, "' (exit status ",
               WIFEXITED(status) ? WEXITSTATUS(status) : status, ")");
+}
+
+}  // namespace
+
+void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
+                const std::string& path) {
+  std::vector<PlotPoint> points;
+  for (const BenchRow& r : rows)
+    if (!r.measured.out_of_memory) points.push_back({r.measured.seconds, r.measured.peak, r.name});
+  TORCH_CHECK(!points.empty(), "--plot: nothing to draw, every recipe ran out of memory");
+  draw(points, "memsave bench: " + model + ", batch " + std::to_string(batch), std::nullopt, "", path);
+}
+
+bool plot_rescue(const RescuePlan& plan, const RescueOptions& options, const std::string& model,
+                 const std::string& path) {
+  std::vector<PlotPoint> points;
+  for (size_t i = 0; i < plan.candidates.size(); ++i) {
+    const Candidate& c = plan.candidates[i];
+    if (c.status == Candidate::Status::kFits)
+      points.push_back({c.measured.seconds, c.measured.peak, c.recipe.label(), plan.recommended == i});
+  }
+  if (points.empty()) return false;
+  draw(points,
+       "memsave rescue: " + model + ", batch " + std::to_string(options.batch()) + ", budget " +
+           format_bytes(options.budget()),
+       options.budget(), "recommended", path);
+  return true;
 }
 
 }  // namespace memsave::cli

@@ -54,5 +54,9 @@ void check_plot(const std::string& path);
 /// accepted.
 void plot_bench(const std::vector<BenchRow>& rows, const std::string& model, int64_t batch,
                 const std::string& path);
+/// The rescue's candidates that fit, peak memory against step time, the recommended one marked and the budget
+/// a dashed line, drawn into `path` (which check_plot accepted). False, and no file, when nothing fits.
+bool plot_rescue(const RescuePlan& plan, const RescueOptions& options, const std::string& model,
+                 const std::string& path);
 
 }  // namespace memsave::cli
