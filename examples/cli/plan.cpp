@@ -531,8 +531,12 @@ void draw(const std::vector<PlotPoint>& points, const std::string& title, std::o
       << "set output '" << path << "'\n"
       << "set title '" << title << "'\n"
       << "set xlabel 'step time (s)'\nset ylabel 'peak memory (MiB)'\nset grid\nset key top right\n"
-      << "set offsets graph 0.05, graph 0.3, graph 0.1, graph 0.05\n"
-      << "plot '" << data << "' using 1:2 with points pt 7 ps 1.5 lc rgb '#1f77b4' notitle, "
+      << "set offsets graph 0.05, graph 0.3, graph 0.1, graph 0.05\n";
+    // (the budget as an arrow across the whole width, and as a line for the key and the y range)
+    if (budget)
+      g << "set arrow from graph 0, first " << fixed(*budget / 1048576.0, 3) << " to graph 1, first "
+        << fixed(*budget / 1048576.0, 3) << " nohead dt 2 lc rgb '#555555'\n";
+    g << "plot '" << data << "' using 1:2 with points pt 7 ps 1.5 lc rgb '#1f77b4' notitle, "
       << "'' using 1:2:3 with labels offset 1,1 left font ',9' notitle";
     if (any_highlighted)
       g << ", '' using 1:($4 == 1 ? $2 : 1/0) with points pt 7 ps 2.5 lc rgb '#d62728' title '" << highlight
