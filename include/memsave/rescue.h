@@ -147,8 +147,8 @@ struct RescueOptions {
   TORCH_ARG(int, steps) = 4;
   /// Step times within this fraction of the fastest fitting candidate's count as equal (>= 0): of those the
   /// rescue recommends the one earliest on the checklist, which changes the least about the training (the
-  /// optimizer's state last, then fewer techniques, then the larger micro-batch). A timing's noise then does not
-  /// decide between near-equals.
+  /// optimizer's state last, then fewer techniques, then the larger micro-batch). A timing's noise then does
+  /// not decide between near-equals.
   TORCH_ARG(double, tie) = 0.05;
   /// Called after each candidate (progress lines).
   TORCH_ARG(std::function<void(size_t done, size_t total)>, progress) = nullptr;
