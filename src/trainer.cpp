@@ -208,22 +208,46 @@ Trainer::Trainer(torch::nn::Sequential model, const OptimizerFactory& make_optim
     : recipe_(std::move(recipe)) {
   TORCH_CHECK(make_optimizer, "Trainer: make_optimizer is empty");
   apply(model);
-  optimizer_ = make_optimizer(unique_parameters(model->parameters()), recipe_);
+  this->make_optimizer(make_optimizer);
+}
+
+Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer,
+                 Recipe recipe)
+    : recipe_(std::move(recipe)), optimizer_(std::move(optimizer)) {
+  check_optimizer();
+  apply(model);
+  make_accumulator();
+}
+
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
+                 const OptimizerFactory& make_optimizer, Recipe recipe)
+    : recipe_(std::move(recipe)), forward_(std::move(forward)) {
+  TORCH_CHECK(make_optimizer, "Trainer: make_optimizer is empty");
+  adopt(std::move(model));
+  this->make_optimizer(make_optimizer);
+}
+
+Trainer::Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
+                 std::shared_ptr<torch::optim::Optimizer> optimizer, Recipe recipe)
+    : recipe_(std::move(recipe)), forward_(std::move(forward)), optimizer_(std::move(optimizer)) {
+  check_optimizer();
+  adopt(std::move(model));
+  make_accumulator();
+}
+
+void Trainer::make_optimizer(const OptimizerFactory& make_optimizer) {
+  optimizer_ = make_optimizer(unique_parameters(model_->parameters()), recipe_);
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: make_optimizer returned no optimizer");
   const std::string mismatch = state_mismatch(*optimizer_, recipe_, /*exact=*/false);
   TORCH_CHECK(mismatch.empty(), "Trainer: make_optimizer built an optimizer for another recipe: ", mismatch);
   make_accumulator();
 }
 
-Trainer::Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer,
-                 Recipe recipe)
-    : recipe_(std::move(recipe)), optimizer_(std::move(optimizer)) {
+void Trainer::check_optimizer() {
   TORCH_CHECK(optimizer_ != nullptr, "Trainer: optimizer is null");
   const std::string mismatch = state_mismatch(*optimizer_, recipe_, /*exact=*/true);
   TORCH_CHECK(mismatch.empty(), "Trainer: ", mismatch,
               "; build the optimizer with an OptimizerFactory (memsave::adamw) instead");
-  apply(model);
-  make_accumulator();
 }
 
 void Trainer::make_accumulator() {
@@ -236,16 +260,33 @@ void Trainer::make_accumulator() {
                                                        scaler());
 }
 
-void Trainer::apply(const torch::nn::Sequential& model) {
-  TORCH_CHECK(!model.is_empty() && model->size() > 0, "Trainer: the model is an empty Sequential");
+void Trainer::adopt(std::shared_ptr<torch::nn::Module> model) {
+  TORCH_CHECK(model != nullptr, "Trainer: the model is null");
   const auto parameters = model->parameters();
   TORCH_CHECK(!parameters.empty(), "Trainer: the model has no parameters");
   device_ = parameters.front().device();
-  model_ = model;
   for (const auto& p : parameters)
     TORCH_CHECK(p.device() == device_, "Trainer: the model's parameters are on several devices (", device_,
                 " and ", p.device(), ")");
   check_recipe(recipe_);
+  if (!sequential_) {
+    TORCH_CHECK(forward_, "Trainer: the forward function is empty");
+    TORCH_CHECK(
+        recipe_.checkpoint().kind == Checkpointing::Kind::kNone, "Recipe: checkpoint ",
+        recipe_.checkpoint().name,
+        " cuts a torch::nn::Sequential, and this Trainer was given a module with a forward function; "
+        "leave the recipe's checkpoint none and checkpoint inside the module (memsave::nn::Checkpoint, "
+        "memsave::nn::checkpoint_sequential of its blocks)");
+    module_ = model;
+  }
+  model_ = std::move(model);
+  if (recipe_.scales_gradients()) scaler_.emplace();
+}
+
+void Trainer::apply(const torch::nn::Sequential& model) {
+  TORCH_CHECK(!model.is_empty() && model->size() > 0, "Trainer: the model is an empty Sequential");
+  sequential_ = true;
+  adopt(model.ptr());
 
   const Checkpointing& c = recipe_.checkpoint();
   const auto n = static_cast<int64_t>(model->size());
@@ -268,37 +309,58 @@ void Trainer::apply(const torch::nn::Sequential& model) {
   }
   if (wrapped) {
     module_ = wrapped.ptr();
-    forward_ = [wrapped](const torch::Tensor& x) mutable { return wrapped->forward(x); };
+    forward_ = [wrapped](const std::vector<torch::Tensor>& x) mutable { return wrapped->forward(x[0]); };
   } else {
     module_ = model.ptr();
-    forward_ = [net = model](const torch::Tensor& x) mutable { return net->forward(x); };
+    forward_ = [net = model](const std::vector<torch::Tensor>& x) mutable { return net->forward(x[0]); };
   }
-  if (recipe_.scales_gradients()) scaler_.emplace();
 }
 
-torch::Tensor Trainer::forward(const torch::Tensor& input) {
-  if (!recipe_.amp()) return forward_(input);
+torch::Tensor Trainer::forward(const std::vector<torch::Tensor>& inputs) {
+  if (!recipe_.amp()) return forward_(inputs);
   amp::Autocast autocast(device_.type(), *recipe_.amp());
-  return forward_(input);
+  return forward_(inputs);
 }
 
 StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
                         const torch::Tensor& mask) {
+  return step(std::vector<torch::Tensor>{input}, target, loss, mask);
+}
+
+StepStats Trainer::step(const std::vector<torch::Tensor>& inputs, const torch::Tensor& target,
+                        const LossFunction& loss, const torch::Tensor& mask) {
   TORCH_CHECK(loss, "Trainer::step: loss is empty");
-  TORCH_CHECK(input.defined() && target.defined(), "Trainer::step: input and target must be defined");
-  TORCH_CHECK(input.device() == device_, "Trainer::step: input is on ", input.device(),
-              " but the model is on ", device_);
-  std::vector<torch::Tensor> tensors{input, target};
+  TORCH_CHECK(!inputs.empty(), "Trainer::step: no input tensors");
+  TORCH_CHECK(!sequential_ || inputs.size() == 1,
+              "Trainer::step: a Trainer over a Sequential takes one input, got ", inputs.size(),
+              "; build it with a forward function (Trainer(model, forward, ...)) for several");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].defined(), "Trainer::step: input ", i, " is not defined");
+    TORCH_CHECK(inputs[i].device() == device_, "Trainer::step: input ", i, " is on ", inputs[i].device(),
+                " but the model is on ", device_);
+  }
+  TORCH_CHECK(target.defined(), "Trainer::step: target is not defined");
+  const torch::Tensor& input = inputs[0];
+  std::vector<torch::Tensor> tensors = inputs;
+  tensors.push_back(target);
   if (mask.defined()) tensors.push_back(mask);
   TORCH_CHECK(input.dim() > 0 && input.size(0) > 0, "Trainer::step: the batch is empty");
+  const auto check_rows = [&](const torch::Tensor& t, const std::string& name) {
+    TORCH_CHECK(t.dim() > 0 && t.size(0) == input.size(0), "Trainer::step: ", name, " has ",
+                t.dim() > 0 ? t.size(0) : 0, " rows on dim 0 but input 0 has ", input.size(0));
+  };
+  for (size_t i = 1; i < inputs.size(); ++i) check_rows(inputs[i], "input " + std::to_string(i));
+  check_rows(target, "target");
+  if (mask.defined()) check_rows(mask, "mask");
   const int64_t micro = recipe_.micro_batch() == 0 ? input.size(0) : recipe_.micro_batch();
   TORCH_CHECK(micro <= input.size(0), "Trainer::step: micro_batch ", micro, " is larger than the batch of ",
               input.size(0));
   const auto parts = split_micro_batches(tensors, micro);
+  const size_t n_inputs = inputs.size();
   std::vector<double> items;
   if (mask.defined()) {  // the micro-batches' tokens in one read (a device sync each would stall the queue)
     std::vector<torch::Tensor> sums;
-    for (const auto& part : parts) sums.push_back(part[2].sum().to(torch::kDouble));
+    for (const auto& part : parts) sums.push_back(part[n_inputs + 1].sum().to(torch::kDouble));
     const torch::Tensor counts = torch::stack(sums).cpu();
     items.assign(counts.data_ptr<double>(), counts.data_ptr<double>() + counts.numel());
   } else {
@@ -330,10 +392,11 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
         torch::Tensor value;
         {  // NOTE: the output is not held through the backward (the loss's graph keeps what it needs of it):
            // a decoder's logits can be the largest tensor of the step.
-          const torch::Tensor output = forward(parts[i][0]);
+          const torch::Tensor output =
+              forward(std::vector<torch::Tensor>(parts[i].begin(), parts[i].begin() + n_inputs));
           std::optional<amp::Autocast> autocast;
           if (recipe_.amp()) autocast.emplace(device_.type(), *recipe_.amp());
-          value = loss(output, parts[i][1]);
+          value = loss(output, parts[i][n_inputs]);
         }
         TORCH_CHECK(value.defined() && value.dim() == 0,
                     "Trainer::step: the loss function must return a scalar, got ",
@@ -800,6 +863,13 @@ void Trainer::load(const std::string& path) {
 }
 
 torch::Tensor Trainer::predict(const torch::Tensor& input) {
+  return predict(std::vector<torch::Tensor>{input});
+}
+
+torch::Tensor Trainer::predict(const std::vector<torch::Tensor>& inputs) {
+  TORCH_CHECK(!inputs.empty(), "Trainer::predict: no input tensors");
+  TORCH_CHECK(!sequential_ || inputs.size() == 1,
+              "Trainer::predict: a Trainer over a Sequential takes one input, got ", inputs.size());
   // Each module's mode is put back as it was, also when the forward throws.
   struct EvalModes {
     std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> was;
@@ -813,7 +883,7 @@ torch::Tensor Trainer::predict(const torch::Tensor& input) {
     }
   } modes(*module_);
   torch::NoGradGuard no_grad;
-  return forward(input);
+  return forward(inputs);
 }
 
 }  // namespace memsave

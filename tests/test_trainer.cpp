@@ -1410,6 +1410,182 @@ TEST(TrainerErrors, AFailedSaveLeavesTheOlderFile) {
   std::filesystem::remove(file);
 }
 
+// ---- a model of any shape ----
+
+/// A model that is not a Sequential: two inputs per row (features and side information), buffers too.
+struct TwoInputsImpl : tnn::Module {
+  TwoInputsImpl()
+      : a(register_module("a", tnn::Linear(64, 64))),  // 4096 elements: 8-bit state
+        b(register_module("b", tnn::Linear(8, 64))),
+        norm(register_module("norm", tnn::BatchNorm1d(64))),
+        head(register_module("head", tnn::Linear(64, 5))) {}
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& side) {
+    return head(torch::tanh(norm(a(x) + b(side))));
+  }
+  tnn::Linear a, b;
+  tnn::BatchNorm1d norm;
+  tnn::Linear head;
+};
+TORCH_MODULE(TwoInputs);
+
+TwoInputs two_inputs(uint64_t seed) {
+  torch::manual_seed(seed);
+  return TwoInputs();
+}
+
+Forward forward_of(TwoInputs net) {
+  return [net](const std::vector<torch::Tensor>& in) mutable { return net->forward(in[0], in[1]); };
+}
+
+/// Rows whose mask is 0 have the target -100, which the loss ignores: the mask's sum counts the items.
+struct TwoInputsBatch {
+  torch::Tensor x, side, target, mask;
+};
+
+std::vector<TwoInputsBatch> two_inputs_batches(int count) {
+  torch::manual_seed(11);
+  std::vector<TwoInputsBatch> out;
+  for (int i = 0; i < count; ++i) {
+    TwoInputsBatch b{torch::randn({8, 64}), torch::randn({8, 8}), torch::randint(5, {8}),
+                     (torch::rand({8}) > 0.3).to(torch::kFloat)};
+    b.target = b.target.masked_fill(b.mask == 0, -100);
+    out.push_back(b);
+  }
+  return out;
+}
+
+torch::Tensor masked_ce(const torch::Tensor& out, const torch::Tensor& target) {
+  return F::cross_entropy(out, target, F::CrossEntropyFuncOptions().ignore_index(-100));
+}
+
+std::vector<torch::Tensor> module_tensors(const tnn::Module& net) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : net.parameters()) out.push_back(p.detach().clone());
+  for (const auto& b : net.buffers()) out.push_back(b.clone());
+  return out;
+}
+
+TEST(Trainer, AModelOfAnyShapeTakesSeveralInputsAndStepsAsTheWrappersDo) {
+  // A module of one's own with two inputs, through a forward function: micro-batches of 3 (the last of 2),
+  // tokens counted from the mask, bf16, 8-bit state and clipping. Each step is the one the individual
+  // wrappers take by hand, bit for bit, BatchNorm's running statistics included.
+  const auto batches = two_inputs_batches(4);
+  const Recipe recipe = Recipe().micro_batch(3).amp(torch::kBFloat16).state_bits(8).max_grad_norm(0.5);
+  auto net = two_inputs(0);
+  Trainer trainer(net.ptr(), forward_of(net), adamw(1e-2), recipe);
+  for (const auto& batch : batches) {
+    const auto stats = trainer.step({batch.x, batch.side}, batch.target, masked_ce, batch.mask);
+    EXPECT_EQ(stats.items, batch.mask.sum().item<double>());
+    EXPECT_TRUE(stats.stepped);
+  }
+
+  auto by_hand = two_inputs(0);
+  optim::AdamW8bit opt(by_hand->parameters(), optim::AdamW8bitOptions(1e-2).weight_decay(1e-2));
+  GradientAccumulator acc(opt, AccumulateOptions().window(1000).max_grad_norm(0.5));
+  for (const auto& batch : batches) {
+    acc.begin_window(batch.mask.sum().item<double>());
+    for (const auto& part : split_micro_batches({batch.x, batch.side, batch.target, batch.mask}, 3)) {
+      const double items = part[3].sum().item<double>();
+      if (items == 0) continue;
+      torch::Tensor loss;
+      {
+        amp::Autocast autocast(torch::kCPU, torch::kBFloat16);
+        loss = masked_ce(by_hand->forward(part[0], part[1]), part[2]);
+      }
+      acc.backward(loss, items);
+    }
+    acc.step();
+  }
+  expect_equal(module_tensors(*net), module_tensors(*by_hand));
+  auto* eight = dynamic_cast<optim::AdamW8bit*>(&trainer.optimizer());
+  ASSERT_NE(eight, nullptr);
+  expect_equal(eight->state_fp32(net->a->weight), opt.state_fp32(by_hand->a->weight));
+
+  // predict takes the inputs as step does, in eval mode.
+  const auto out = trainer.predict({batches[0].x, batches[0].side});
+  by_hand->eval();
+  torch::Tensor expected;
+  {
+    torch::NoGradGuard no_grad;
+    amp::Autocast autocast(torch::kCPU, torch::kBFloat16);
+    expected = by_hand->forward(batches[0].x, batches[0].side);
+  }
+  EXPECT_TRUE(torch::equal(out, expected));
+  EXPECT_TRUE(net->is_training());
+}
+
+TEST(Trainer, AModelOfAnyShapeSavesAndResumesExactly) {
+  const auto batches = two_inputs_batches(6);
+  const Recipe recipe = Recipe().micro_batch(4).state_bits(8);
+  const std::string file = temp_file("any_shape");
+  auto straight = two_inputs(0);
+  Trainer a(straight.ptr(), forward_of(straight), adamw(1e-2), recipe);
+  for (int s = 0; s < 3; ++s)
+    a.step({batches[s].x, batches[s].side}, batches[s].target, masked_ce, batches[s].mask);
+  a.save(file);
+  const auto at_save = module_tensors(*straight);
+  for (int s = 3; s < 6; ++s)
+    a.step({batches[s].x, batches[s].side}, batches[s].target, masked_ce, batches[s].mask);
+
+  auto resumed = two_inputs(1);  // other initial weights, which the load replaces
+  Trainer b(resumed.ptr(), forward_of(resumed), adamw(1e-2), recipe);
+  b.load(file);
+  for (int s = 3; s < 6; ++s)
+    b.step({batches[s].x, batches[s].side}, batches[s].target, masked_ce, batches[s].mask);
+  expect_equal(module_tensors(*resumed), module_tensors(*straight));
+  // The file names the tensors as the module does: LibTorch's own load reads its model.
+  torch::serialize::InputArchive archive, model;
+  archive.load_from(file);
+  ASSERT_TRUE(archive.try_read("model", model));
+  auto plain = two_inputs(2);
+  plain->load(model);
+  expect_equal(module_tensors(*plain), at_save);
+  std::filesystem::remove(file);
+}
+
+TEST(TrainerErrors, AModelWithAForwardFunctionRefusesCheckpointingAndBadInputs) {
+  auto net = two_inputs(0);
+  const auto message = [](const std::function<void()>& f) {
+    try {
+      f();
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // Checkpointing cuts a Sequential: the recipe's is refused at construction, naming what to do instead.
+  EXPECT_NE(message([&] {
+              Trainer(net.ptr(), forward_of(net), adamw(), Recipe().checkpoint(Checkpointing::every_layer()));
+            }).find("cuts a torch::nn::Sequential"),
+            std::string::npos);
+  EXPECT_THROW(Trainer(net.ptr(), Forward(), adamw()), c10::Error);
+  EXPECT_THROW(Trainer(nullptr, forward_of(net), adamw()), c10::Error);
+
+  Trainer trainer(net.ptr(), forward_of(net), adamw(), Recipe().micro_batch(4));
+  const auto before = module_tensors(*net);
+  const auto y = torch::randint(5, {8});
+  EXPECT_NE(message([&] {
+              trainer.step({torch::randn({8, 64}), torch::randn({7, 8})}, y, masked_ce);
+            }).find("input 1 has 7 rows on dim 0 but input 0 has 8"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              trainer.step({torch::randn({8, 64}), torch::randn({8, 8})}, y.narrow(0, 0, 6), masked_ce);
+            }).find("target has 6 rows"),
+            std::string::npos);
+  EXPECT_THROW(trainer.step(std::vector<torch::Tensor>{}, y, masked_ce), c10::Error);
+  EXPECT_THROW(trainer.step({torch::randn({8, 64}), torch::Tensor()}, y, masked_ce), c10::Error);
+  expect_equal(module_tensors(*net), before);
+  for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
+
+  // A Sequential takes one input: two are an error naming the way to several.
+  auto seq = small_mlp();
+  Trainer over_sequential(seq, adamw());
+  EXPECT_NE(message([&] {
+              over_sequential.step({torch::randn({8, 6}), torch::randn({8, 6})}, y, ce);
+            }).find("a Trainer over a Sequential takes one input, got 2"),
+            std::string::npos);
+}
+
 TEST(Recipe, DescribesItselfAsCpp) {
   const Recipe r =
       Recipe().micro_batch(8).amp(torch::kBFloat16).checkpoint(Checkpointing::segments(4)).state_bits(8);

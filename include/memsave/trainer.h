@@ -7,6 +7,13 @@
 //   for (auto& batch : loader) {
 //     auto stats = trainer.step(batch.data, batch.target, loss_fn);  // loss, items, norm, peak, time, ...
 //   }
+//
+// A model that is not a Sequential goes with a function that runs it on a micro-batch's inputs:
+//
+//   memsave::Trainer trainer(net.ptr(), [net](const std::vector<torch::Tensor>& in) mutable {
+//     return net->forward(in[0], in[1]);
+//   }, memsave::adamw(1e-3), recipe);                                  // a recipe without checkpointing
+//   trainer.step({tokens, padding}, targets, loss_fn);
 #pragma once
 
 #include <memsave/accumulate.h>
@@ -124,6 +131,10 @@ struct StepStats {
 /// A loss of one micro-batch: a scalar, the mean over its items (or their sum, per the recipe).
 using LossFunction = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
+/// A model's forward over one micro-batch's inputs: the step's input tensors, each cut to the micro-batch's
+/// rows on dim 0.
+using Forward = std::function<torch::Tensor(const std::vector<torch::Tensor>& inputs)>;
+
 class Trainer {
  public:
   /// Applies `recipe` to `model` (checkpointing wrapper) and builds the optimizer over its parameters.
@@ -132,6 +143,16 @@ class Trainer {
   /// As above with an optimizer the caller built; its state must be what the recipe says (8-bit or not).
   Trainer(torch::nn::Sequential model, std::shared_ptr<torch::optim::Optimizer> optimizer,
           Recipe recipe = {});
+  /// A model of any shape (a module of your own, several inputs: token ids and their padding mask, say),
+  /// run by `forward` on each micro-batch's inputs; tensors that are not cut into micro-batches (a causal
+  /// mask shared by every row) belong in the function. Checkpointing cuts a Sequential, so the recipe's
+  /// checkpoint must be none here (an error otherwise): checkpoint inside the module
+  /// (memsave::nn::Checkpoint, nn::checkpoint_sequential of its blocks). The rest of the recipe applies as
+  /// for a Sequential; save and load name the tensors as the module does.
+  Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward, const OptimizerFactory& make_optimizer,
+          Recipe recipe = {});
+  Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
+          std::shared_ptr<torch::optim::Optimizer> optimizer, Recipe recipe = {});
   /// NOTE: owns the optimizer state and an open accumulation window; not copyable.
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -146,12 +167,17 @@ class Trainer {
   /// eval mode (a frozen BatchNorm, whose running statistics are to stay) stay in it.
   StepStats step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
                  const torch::Tensor& mask = {});
+  /// The same with several inputs (a Trainer given a forward function), each with the batch's rows on dim 0,
+  /// every one split into the same micro-batches. A Trainer over a Sequential takes one.
+  StepStats step(const std::vector<torch::Tensor>& inputs, const torch::Tensor& target,
+                 const LossFunction& loss, const torch::Tensor& mask = {});
   /// The model's output in eval mode without grad (and under the recipe's autocast). Each module's mode is
   /// put back as it was.
   torch::Tensor predict(const torch::Tensor& input);
+  torch::Tensor predict(const std::vector<torch::Tensor>& inputs);
 
   /// Writes what resuming needs, as a LibTorch archive: the model's parameters and buffers (under the names
-  /// of the Sequential given, whatever the checkpointing), the optimizer's state (with the name of each of
+  /// of the model given, whatever the checkpointing), the optimizer's state (with the name of each of
   /// its parameters) and the GradScaler's. The file is written beside `path` and renamed over it, so a save
   /// that fails leaves an older file as it was.
   void save(const std::string& path) const;
@@ -184,18 +210,24 @@ class Trainer {
   const Recipe& recipe() const { return recipe_; }
 
  private:
+  /// Wraps a Sequential as the recipe checkpoints it.
   void apply(const torch::nn::Sequential& model);
+  /// Takes the model: checks its parameters and the recipe.
+  void adopt(std::shared_ptr<torch::nn::Module> model);
+  void make_optimizer(const OptimizerFactory& make_optimizer);
+  void check_optimizer();
   void make_accumulator();
-  torch::Tensor forward(const torch::Tensor& input);
+  torch::Tensor forward(const std::vector<torch::Tensor>& inputs);
   /// Copies the model's buffers into `saved_buffers_`, before a step.
   void save_buffers();
   /// Copies them back, after a step that failed.
   void restore_buffers();
 
   Recipe recipe_;
-  torch::nn::Sequential model_{nullptr};  ///< as given: what save and load name
+  std::shared_ptr<torch::nn::Module> model_;  ///< as given: what save and load name
   std::shared_ptr<torch::nn::Module> module_;
-  std::function<torch::Tensor(const torch::Tensor&)> forward_;
+  Forward forward_;
+  bool sequential_ = false;  ///< model_ is a Sequential, which takes one input
   c10::Device device_ = c10::kCPU;
   std::shared_ptr<torch::optim::Optimizer> optimizer_;
   std::optional<amp::GradScaler> scaler_;
