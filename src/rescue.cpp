@@ -17,8 +17,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
+#include <vector>
 
 namespace memsave {
 namespace {
@@ -72,10 +75,81 @@ std::optional<size_t> fastest(const std::vector<Candidate>& candidates) {
   return best;
 }
 
+/// Checks that `setup` gives one model, a Sequential or one of any shape, with its batches, a loss and an
+/// optimizer factory.
+void check_setup(const TrainingSetup& setup, const char* who) {
+  const bool sequential = setup.make_model || setup.make_batch;
+  const bool any_shape = setup.make_any_model || setup.make_inputs;
+  TORCH_CHECK(sequential != any_shape, who, ": the training setup gives ",
+              sequential
+                  ? "both a Sequential (make_model, make_batch) and a model of any shape (make_any_model, "
+                    "make_inputs)"
+                  : "no model (make_model and make_batch, or make_any_model and make_inputs)");
+  TORCH_CHECK(sequential ? setup.make_model && setup.make_batch : setup.make_any_model && setup.make_inputs,
+              who, ": the training setup gives ",
+              sequential ? "one of make_model and make_batch without the other"
+                         : "one of make_any_model and make_inputs without the other");
+  TORCH_CHECK(setup.loss && setup.optimizer, who, ": the training setup has no ",
+              setup.loss ? "optimizer factory" : "loss");
+}
+
+/// A setup's model, built on a device: a Sequential, run element by element, or a model of any shape, run as
+/// one element.
+struct BuiltModel {
+  BuiltModel(const TrainingSetup& setup, c10::Device device) {
+    if (setup.make_model) {
+      sequential = setup.make_model();
+      TORCH_CHECK(!sequential.is_empty(), "TrainingSetup: make_model returned no model");
+    } else {
+      any = setup.make_any_model();
+      TORCH_CHECK(any.module != nullptr && any.forward,
+                  "TrainingSetup: make_any_model returned no module or no forward function");
+    }
+    module()->to(device);
+  }
+  std::shared_ptr<torch::nn::Module> module() const { return sequential ? sequential.ptr() : any.module; }
+  size_t elements() const { return sequential ? sequential->size() : 1; }
+  /// The first element's forward, on the batch's inputs.
+  torch::Tensor first(const std::vector<torch::Tensor>& inputs) {
+    return sequential ? sequential->begin()[0].forward(inputs[0]) : any.forward(inputs);
+  }
+  /// Element i's (> 0) forward, on the output of the one before.
+  torch::Tensor element(size_t i, const torch::Tensor& x) { return sequential->begin()[i].forward(x); }
+  std::unique_ptr<Trainer> trainer(const OptimizerFactory& optimizer, const Recipe& recipe) const {
+    if (sequential) return std::make_unique<Trainer>(sequential, optimizer, recipe);
+    return std::make_unique<Trainer>(any.module, any.forward, optimizer, recipe);
+  }
+
+  torch::nn::Sequential sequential{nullptr};
+  AnyModel any;
+};
+
+/// A batch of a setup: its inputs (one for a Sequential) and the target.
+struct SetupBatch {
+  std::vector<torch::Tensor> inputs;
+  torch::Tensor target;
+
+  int64_t bytes() const {
+    int64_t total = bytes_of(target);
+    for (const auto& x : inputs) total += bytes_of(x);
+    return total;
+  }
+};
+
+SetupBatch batch_of(const TrainingSetup& setup, int64_t rows, c10::Device device) {
+  if (setup.make_batch) {
+    auto [input, target] = setup.make_batch(rows, device);
+    return {{std::move(input)}, std::move(target)};
+  }
+  auto [inputs, target] = setup.make_inputs(rows, device);
+  return {std::move(inputs), std::move(target)};
+}
+
 }  // namespace
 
 Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t batch, c10::Device device,
                     int steps, std::optional<int64_t> budget) {
+  check_setup(setup, "measure");
   TORCH_CHECK(steps >= 2, "measure: steps must be >= 2 (the first is not timed), got ", steps);
   TORCH_CHECK(batch > 0, "measure: batch must be > 0, got ", batch);
   Measurement m;
@@ -89,12 +163,11 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
     PeakScope scope(device);
     try {
       torch::manual_seed(0);
-      torch::nn::Sequential model = setup.make_model();
-      model->to(device);
-      Trainer trainer(model, setup.optimizer, recipe);
-      const auto [input, target] = setup.make_batch(batch, device);
+      const BuiltModel model(setup, device);
+      const std::unique_ptr<Trainer> trainer = model.trainer(setup.optimizer, recipe);
+      const SetupBatch data = batch_of(setup, batch, device);
       for (int s = 0; s < steps; ++s) {
-        const StepStats stats = trainer.step(input, target, setup.loss);
+        const StepStats stats = trainer->step(data.inputs, data.target, setup.loss);
         if (device.is_cuda()) torch::cuda::synchronize();
         if (s > 0) times.push_back(stats.seconds);
       }
@@ -113,8 +186,7 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
 
 MemoryModel MemoryModel::profile(const TrainingSetup& setup, int64_t batch, c10::Device device,
                                  c10::ScalarType amp) {
-  TORCH_CHECK(setup.make_model && setup.make_batch && setup.loss && setup.optimizer,
-              "MemoryModel: the training setup is incomplete (model, batch, loss and optimizer factories)");
+  check_setup(setup, "MemoryModel");
   TORCH_CHECK(batch > 0, "MemoryModel: batch must be > 0, got ", batch);
   TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "MemoryModel: amp must be BFloat16 or Half, got ",
               amp);
@@ -137,24 +209,23 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   model.amp_dtype_ = amp_dtype;
 
   torch::manual_seed(0);
-  torch::nn::Sequential net = setup.make_model();
-  net->to(device);
-  net->train();
+  BuiltModel net(setup, device);
+  net.module()->train();
   std::vector<torch::Tensor> params;
   std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& p : net->parameters()) {
+  for (const auto& p : net.module()->parameters()) {
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     params.push_back(p);
     model.param_numel_.push_back(p.numel());
     model.param_bytes_ += bytes_of(p);
   }
-  const size_t n = net->size();
-  model.may_begin_ = nn::piece_may_begin(net);
-  const auto [input, target] = setup.make_batch(model.rows_, device);
-  model.batch_bytes_per_row_ = (bytes_of(input) + bytes_of(target)) / model.rows_;
+  const size_t n = net.elements();
+  model.may_begin_ = net.sequential ? nn::piece_may_begin(net.sequential) : std::vector<bool>{true};
+  const SetupBatch large_batch = batch_of(setup, model.rows_, device);
+  model.batch_bytes_per_row_ = large_batch.bytes() / model.rows_;
   // Two sizes, to tell what grows with the rows from what does not (autocast's casted weights, say).
   const int64_t small_rows = std::max<int64_t>(1, model.rows_ / 2);
-  const auto [small_input, small_target] = setup.make_batch(small_rows, device);
+  const SetupBatch small_batch = batch_of(setup, small_rows, device);
   auto optimizer = setup.optimizer(params, Recipe());
 
   // One training pass run element by element. What each element's forward leaves in the pool is what the
@@ -179,7 +250,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
       leaves.push_back(leaf.unsafeGetTensorImpl());
     return leaves;
   };
-  auto run_pass = [&](bool amp, const torch::Tensor& in, const torch::Tensor& tgt, bool accumulate = false) {
+  auto run_pass = [&](bool amp, const SetupBatch& data, bool accumulate = false) {
     if (!accumulate) optimizer->zero_grad();
     Pass pass;
     for (auto* v : {&pass.stored, &pass.freed, &pass.output, &pass.forward, &pass.backward, &pass.carried})
@@ -214,15 +285,16 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     {
       std::optional<amp::Autocast> autocast;
       if (amp) autocast.emplace(device.type(), amp_dtype);
-      torch::Tensor x = in;
+      torch::Tensor x;
       int64_t in_use = start;
       for (size_t i = 0; i < n; ++i) {
         int64_t forward_peak = 0;
+        // The output of the element before; the first takes the batch's inputs, which the batch keeps.
         torch::Tensor input = std::move(x);
         const uint64_t first_node = at::sequence_number::peek();
         {
           PeakScope scope(device);
-          x = net->begin()[i].forward(input);
+          x = i == 0 ? net.first(data.inputs) : net.element(i, input);
           forward_peak = scope.peak();
         }
         if (used.size() == i) used.push_back(parameters_used(x, first_node));  // in the first pass
@@ -243,7 +315,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
           x.register_hook([&, i](const torch::Tensor&) { close(i); });
         }
       }
-      loss = setup.loss(x, tgt);
+      loss = setup.loss(x, data.target);
     }
     window.emplace(device);
     loss.backward();
@@ -257,7 +329,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     fixed = at_rows - per_row * rows;
   };
 
-  run_pass(false, input, target);
+  run_pass(false, large_batch);
   optimizer->step();  // creates the state
   {                   // the first and the last element that use a parameter of each element
     std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> span;
@@ -283,10 +355,10 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   }
   for (bool amp : {false, true}) {
     Activations& a = amp ? model.amp_ : model.fp32_;
-    const Pass large = run_pass(amp, input, target);
-    const Pass small = run_pass(amp, small_input, small_target);
+    const Pass large = run_pass(amp, large_batch);
+    const Pass small = run_pass(amp, small_batch);
     // Once more onto the gradients it left: what a later micro-batch's gradients add while they arrive.
-    const Pass accumulated = run_pass(amp, small_input, small_target, /*accumulate=*/true);
+    const Pass accumulated = run_pass(amp, small_batch, /*accumulate=*/true);
     for (auto* v : {&a.stored, &a.stored_fixed, &a.freed, &a.freed_fixed, &a.carried, &a.carried_fixed,
                     &a.output, &a.forward, &a.forward_fixed, &a.backward, &a.backward_fixed, &a.incoming})
       v->resize(n);

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <ostream>
 
 namespace memsave {
@@ -495,6 +496,111 @@ TEST(Estimate, PredictsAModelWithInPlaceActivations) {
     return net;
   };
   expect_predicts_the_checklist(setup, 32);
+}
+
+// ---- a model of any shape ----
+
+/// A model of one's own that is not a Sequential: token ids and a feature vector per row in, an embedding, a
+/// residual MLP, logits per token out.
+struct TwoInputsImpl : torch::nn::Module {
+  TwoInputsImpl()
+      : embed(register_module("embed", torch::nn::Embedding(512, 64))),
+        side(register_module("side", torch::nn::Linear(16, 64))),
+        up(register_module("up", torch::nn::Linear(64, 256))),
+        down(register_module("down", torch::nn::Linear(256, 64))),
+        head(register_module("head", torch::nn::Linear(64, 512))) {}
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& features) {
+    torch::Tensor h = embed(tokens) + side(features).unsqueeze(1);
+    h = h + down(torch::gelu(up(h)));
+    return head(h).flatten(0, 1);
+  }
+  torch::nn::Embedding embed;
+  torch::nn::Linear side, up, down, head;
+};
+TORCH_MODULE(TwoInputs);
+
+TrainingSetup any_shape_setup() {
+  TrainingSetup setup;
+  setup.make_any_model = [] {
+    TwoInputs net;
+    return AnyModel{net.ptr(), [net](const std::vector<torch::Tensor>& in) mutable {
+                      return net->forward(in[0], in[1]);
+                    }};
+  };
+  setup.make_inputs = [](int64_t rows, c10::Device device) {
+    const auto on = torch::TensorOptions().device(device);
+    return std::pair{std::vector<torch::Tensor>{torch::randint(512, {rows, 32}, on.dtype(torch::kLong)),
+                                                torch::randn({rows, 16}, on)},
+                     torch::randint(512, {rows, 32}, on.dtype(torch::kLong))};
+  };
+  setup.loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return torch::nn::functional::cross_entropy(out, target.flatten());
+  };
+  return setup;
+}
+
+TEST(Estimate, PredictsAModelOfAnyShapeAsOneElement) {
+  install_meter();
+  const TrainingSetup setup = any_shape_setup();
+  const MemoryModel model = MemoryModel::profile(setup, 16, torch::kCPU);
+  EXPECT_EQ(model.elements(), 1u);
+  const std::vector<Recipe> recipes = checklist(16, model.elements(), torch::kBFloat16, setup.optimizer);
+  for (const Recipe& r : recipes) EXPECT_EQ(r.checkpoint().kind, Checkpointing::Kind::kNone) << r.label();
+  EXPECT_TRUE(
+      std::any_of(recipes.begin(), recipes.end(), [](const Recipe& r) { return r.state_bits() == 8; }));
+  expect_predicts_the_checklist(setup, 16);
+}
+
+TEST(Rescue, RescuesAModelOfAnyShape) {
+  install_meter();
+  const TrainingSetup setup = any_shape_setup();
+  const int64_t batch = 16;
+  const Measurement baseline = measure(setup, Recipe(), batch, torch::kCPU, 2);
+  ASSERT_FALSE(baseline.out_of_memory);
+  const int64_t budget = baseline.peak * 6 / 10;
+  const RescuePlan plan = rescue(setup, RescueOptions(batch, budget).steps(2));
+  EXPECT_EQ(plan.candidates.front().status, Candidate::Status::kOutOfMemory);
+  ASSERT_TRUE(plan.recommended.has_value());
+  const Candidate& best = plan.candidates[*plan.recommended];
+  EXPECT_LE(best.measured.peak, budget);
+  EXPECT_LE(measure(setup, best.recipe, batch, torch::kCPU, 2).peak, budget);
+  std::printf("baseline peak %s, budget %s: %s, peak %s\n", format_bytes(baseline.peak).c_str(),
+              format_bytes(budget).c_str(), best.recipe.label().c_str(),
+              format_bytes(best.measured.peak).c_str());
+  // What it recommends is what a Trainer over the model takes: the whole batch's items in one step.
+  torch::manual_seed(0);
+  const AnyModel net = setup.make_any_model();
+  Trainer trainer(net.module, net.forward, setup.optimizer, best.recipe);
+  const auto [inputs, target] = setup.make_inputs(batch, torch::kCPU);
+  EXPECT_EQ(trainer.step(inputs, target, setup.loss).items, batch);
+}
+
+TEST(Rescue, ATrainingSetupGivesOneModelWithItsBatches) {
+  install_meter();
+  const auto message = [](const TrainingSetup& setup) {
+    try {
+      measure(setup, Recipe(), 4, torch::kCPU, 2);
+    } catch (const c10::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  TrainingSetup both = any_shape_setup();
+  both.make_model = training_setup("mlp").make_model;
+  both.make_batch = training_setup("mlp").make_batch;
+  EXPECT_NE(message(both).find("gives both a Sequential"), std::string::npos) << message(both);
+  TrainingSetup neither = any_shape_setup();
+  neither.make_any_model = nullptr;
+  neither.make_inputs = nullptr;
+  EXPECT_NE(message(neither).find("no model"), std::string::npos) << message(neither);
+  TrainingSetup half = any_shape_setup();
+  half.make_inputs = nullptr;
+  EXPECT_NE(message(half).find("without the other"), std::string::npos) << message(half);
+  EXPECT_THROW(MemoryModel::profile(half, 4, torch::kCPU), c10::Error);
+  // A checkpointing recipe cuts a Sequential: for a model of any shape it is the Trainer's error.
+  EXPECT_THROW(
+      measure(any_shape_setup(), Recipe().checkpoint(Checkpointing::every_layer()), 4, torch::kCPU, 2),
+      c10::Error);
 }
 
 }  // namespace

@@ -4,6 +4,17 @@
 //   auto plan = memsave::rescue(setup, memsave::RescueOptions(/*batch=*/64, memsave::parse_bytes("300MiB")));
 //   if (plan.recommended) std::cout << plan.candidates[*plan.recommended].recipe.to_cpp();
 //
+// A model that is not a Sequential gives its module and forward function, and batches of several inputs:
+//
+//   setup.make_any_model = [] {
+//     MyNet net;
+//     auto forward = [net](const auto& in) mutable { return net->forward(in[0], in[1]); };
+//     return memsave::AnyModel{net.ptr(), forward};
+//   };
+//   setup.make_inputs = [](int64_t rows, c10::Device d) {
+//     return std::pair{std::vector{ids(rows, d), mask(rows, d)}, target(rows, d)};
+//   };
+//
 // It walks the usual checklist on the real model — smaller micro-batches with accumulation (same effective
 // batch), mixed precision, checkpointing (coarse, then every layer), 8-bit optimizer state, 4-bit optimizer
 // state (when the setup's optimizer has it: memsave::adamw), offloaded state —
@@ -20,12 +31,20 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 namespace memsave {
+
+/// A model of any shape: the module, and the function that runs it on a micro-batch's inputs (as a Trainer
+/// takes it).
+struct AnyModel {
+  std::shared_ptr<torch::nn::Module> module;
+  Forward forward;
+};
 
 /// The user's training step: a model factory (a Sequential, so checkpointing can cut it), batches of any
 /// number of rows on a device, a loss, and an optimizer factory.
@@ -34,6 +53,13 @@ struct TrainingSetup {
   std::function<std::pair<torch::Tensor, torch::Tensor>(int64_t rows, c10::Device device)> make_batch;
   LossFunction loss;
   OptimizerFactory optimizer = adamw();
+  /// Instead of make_model and make_batch, a model of any shape (a module of your own, several inputs) and
+  /// its batches: the inputs, each with `rows` rows on dim 0, and the target. Such a model is measured and
+  /// profiled whole, as one element: its checklist has no checkpointing levels (checkpoint inside the module,
+  /// and the rescue measures what that leaves), the rest is the same.
+  std::function<AnyModel()> make_any_model;
+  std::function<std::pair<std::vector<torch::Tensor>, torch::Tensor>(int64_t rows, c10::Device device)>
+      make_inputs;
 };
 
 /// One candidate's run: the device pool's peak over what was in use before it (model, state, batch and step
