@@ -1,16 +1,18 @@
-// One training step (forward, loss, backward, AdamW step) on the CPU, three ways, same model, batch and seed,
-// one invocation: a plain LibTorch loop (zero_grad, forward, loss, backward, torch::optim::AdamW::step), and
-// memsave::Trainer over the full batch and over 4 micro-batches with the loss normalized over the window. The
-// LibTorch loop is the reference of every ratio: the Trainer's full-batch row is what its guarantees cost (a
-// failed step changes nothing: room made for the optimizer's step, the buffers copied to the host arena), the
-// micro-batch row what accumulation saves and costs. Models: gpt-12l and ResNet-50 on 16 rows, and the MLP on
-// 4 rows, whose peak is the optimizer's step (where the room the Trainer makes for the step is the peak).
+// One training step (forward, loss, backward, AdamW step) on the CPU, four ways, same model, batch and seed,
+// one invocation: a plain LibTorch loop (zero_grad, forward, loss, backward, torch::optim::AdamW::step),
+// memsave::Trainer over the full batch and over 4 micro-batches with the loss normalized over the window, and
+// the Trainer over the full batch given the model as a module and a forward function (as a model of any shape
+// comes). The LibTorch loop is the reference of every ratio: the Trainer's full-batch row is what its
+// guarantees cost (a failed step changes nothing: room made for the optimizer's step, the buffers copied to
+// the host arena), the micro-batch row what accumulation saves and costs, the last what the forward
+// function's path costs beside the Sequential's. Models: gpt-12l and ResNet-50 on 16 rows, and the MLP on 4
+// rows, whose peak is the optimizer's step (where the room the Trainer makes for the step is the peak).
 //
 // Memory: each loop alone, its second step's peak (the first creates the optimizer state). The activation
 // peak is the step's peak minus parameters, optimizer state (memsave::breakdown) and one gradient per
 // parameter (the Trainer frees gradients after each step, so they do not exist when the breakdown is taken,
-// but they do at the step's peak). Time: the three loops side by side, their steps taken in turn (so that the
-// machine's drift reaches all three alike), each the whole call, median over the timed steps.
+// but they do at the step's peak). Time: the four loops side by side, their steps taken in turn (so that the
+// machine's drift reaches all four alike), each the whole call, median over the timed steps.
 //   build/bench/memsave_bench_accumulate [--steps N]
 #include <memsave/memory.h>
 #include <memsave/trainer.h>
@@ -63,11 +65,20 @@ Loop libtorch_loop(const memsave::zoo::Workload& w, int64_t batch) {
           }};
 }
 
-Loop trainer_loop(const memsave::zoo::Workload& w, int64_t batch, int64_t micro) {
+/// With `through_forward`, the Trainer gets the model as one of any shape would come: the module and a
+/// function that runs it (memsave::Forward), not the Sequential.
+Loop trainer_loop(const memsave::zoo::Workload& w, int64_t batch, int64_t micro,
+                  bool through_forward = false) {
   torch::manual_seed(0);
   auto net = w.make_model();
-  auto trainer = std::make_shared<memsave::Trainer>(net, memsave::adamw(kLr, kWeightDecay),
-                                                    memsave::Recipe().micro_batch(micro));
+  const memsave::Recipe recipe = memsave::Recipe().micro_batch(micro);
+  auto trainer =
+      through_forward
+          ? std::make_shared<memsave::Trainer>(
+                net.ptr(),
+                [net](const std::vector<torch::Tensor>& inputs) mutable { return net->forward(inputs[0]); },
+                memsave::adamw(kLr, kWeightDecay), recipe)
+          : std::make_shared<memsave::Trainer>(net, memsave::adamw(kLr, kWeightDecay), recipe);
   auto data = std::make_shared<memsave::zoo::Batch>(w.make_batch(batch, torch::kCPU));
   return {[=] { return trainer->step(data->input, data->target, w.loss).peak_bytes; },
           [=](int64_t peak) {
@@ -123,9 +134,9 @@ int main(int argc, char** argv) {
   for (const auto& [model, batch, step_scale] : cases) {
     const memsave::zoo::Workload w = memsave::zoo::workload(model);
     const int64_t micro = batch / 4;
-    const std::vector<std::function<Loop()>> makers{[&] { return libtorch_loop(w, batch); },
-                                                    [&] { return trainer_loop(w, batch, 0); },
-                                                    [&] { return trainer_loop(w, batch, micro); }};
+    const std::vector<std::function<Loop()>> makers{
+        [&] { return libtorch_loop(w, batch); }, [&] { return trainer_loop(w, batch, 0); },
+        [&] { return trainer_loop(w, batch, micro); }, [&] { return trainer_loop(w, batch, 0, true); }};
     std::vector<Result> results;
     for (const auto& make : makers) results.push_back(measure_memory(make));
 
@@ -141,11 +152,12 @@ int main(int argc, char** argv) {
     }
     for (size_t i = 0; i < loops.size(); ++i) results[i].seconds = memsave::bench::median(times[i]);
 
+    const char* const names[] = {"LibTorch", "Trainer", "Trainer", "Trainer, forward function"};
     const Result& stock = results[0];
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
       std::printf("| %s | %s | %lld | %s | %s | %s | %.1f | %lld B | %.4f× | %.2f× | %.2f× |\n", model,
-                  i == 0 ? "LibTorch" : "Trainer", static_cast<long long>(i == 2 ? micro : batch),
+                  names[i], static_cast<long long>(i == 2 ? micro : batch),
                   memsave::format_bytes(r.parts.total).c_str(), memsave::format_bytes(r.parts.other).c_str(),
                   memsave::format_bytes(r.host_bytes).c_str(), static_cast<double>(batch) / r.seconds,
                   static_cast<long long>(r.parts.total - stock.parts.total),
