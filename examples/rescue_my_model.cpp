@@ -1,8 +1,10 @@
 // `memsave::rescue` on a model of your own: give it how to build the model, how to make a batch, the loss and
 // a budget; it walks the checklist on the real model, measures each candidate under the budget and prints the
-// fastest recipe that fits, as C++ to paste into the training code.
+// fastest recipe that fits, as C++ to paste into the training code. The model is a Sequential (which the
+// checklist's checkpointing can cut), or with `--model two-inputs` a module of one's own with two inputs,
+// given with the function that runs it.
 //
-//   build/examples/rescue_my_model [--batch 64] [--budget 48MiB]
+//   build/examples/rescue_my_model [--model sequential|two-inputs] [--batch 64] [--budget 48MiB]
 #include <memsave/memsave.h>
 
 #include <torch/torch.h>
@@ -11,6 +13,7 @@
 #include <cstring>
 #include <iostream>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -24,24 +27,65 @@ torch::nn::Sequential my_model() {
                         nn::Linear(128, 10));
 }
 
+/// The user's own model that is not a Sequential: an image and a caption's token ids in, class logits out.
+struct ImageAndCaptionImpl : torch::nn::Module {
+  ImageAndCaptionImpl()
+      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 3).padding(1)))),
+        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 128, 3).padding(1)))),
+        words(register_module("words", torch::nn::Embedding(1000, 128))),
+        head(register_module("head", torch::nn::Linear(256, 10))) {}
+  torch::Tensor forward(const torch::Tensor& image, const torch::Tensor& caption) {
+    torch::Tensor x = torch::relu(conv1(image));
+    x = torch::relu(conv2(torch::max_pool2d(x, 2))).mean({2, 3});
+    return head(torch::cat({x, words(caption).mean(1)}, 1));
+  }
+  torch::nn::Conv2d conv1, conv2;
+  torch::nn::Embedding words;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(ImageAndCaption);
+
 }  // namespace
 
 int main(int argc, char** argv) {
   memsave::install_meter();
   int64_t batch = 64;
   std::string budget = "48MiB";
+  std::string model = "sequential";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--batch") == 0) batch = std::atoll(argv[i + 1]);
     if (std::strcmp(argv[i], "--budget") == 0) budget = argv[i + 1];
+    if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
+  }
+  if (model != "sequential" && model != "two-inputs") {
+    std::fprintf(stderr, "rescue_my_model: --model must be sequential or two-inputs, got %s\n",
+                 model.c_str());
+    return 2;
   }
   try {
     memsave::TrainingSetup setup;
-    setup.make_model = my_model;
-    setup.make_batch = [](int64_t rows, c10::Device device) {
-      const auto on = torch::TensorOptions().device(device);
-      return std::make_pair(torch::randn({rows, 3, 32, 32}, on),
-                            torch::randint(10, {rows}, on.dtype(torch::kLong)));
-    };
+    if (model == "sequential") {
+      setup.make_model = my_model;
+      setup.make_batch = [](int64_t rows, c10::Device device) {
+        const auto on = torch::TensorOptions().device(device);
+        return std::make_pair(torch::randn({rows, 3, 32, 32}, on),
+                              torch::randint(10, {rows}, on.dtype(torch::kLong)));
+      };
+    } else {  // the module, and the function that runs it on a micro-batch's inputs
+      setup.make_any_model = [] {
+        ImageAndCaption net;
+        auto forward = [net](const std::vector<torch::Tensor>& in) mutable {
+          return net->forward(in[0], in[1]);
+        };
+        return memsave::AnyModel{net.ptr(), forward};
+      };
+      setup.make_inputs = [](int64_t rows, c10::Device device) {
+        const auto on = torch::TensorOptions().device(device);
+        std::vector<torch::Tensor> inputs{torch::randn({rows, 3, 32, 32}, on),
+                                          torch::randint(1000, {rows, 16}, on.dtype(torch::kLong))};
+        return std::make_pair(inputs, torch::randint(10, {rows}, on.dtype(torch::kLong)));
+      };
+    }
     setup.loss = [](const torch::Tensor& out, const torch::Tensor& y) {
       return torch::nn::functional::cross_entropy(out, y);
     };
