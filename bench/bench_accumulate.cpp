@@ -12,7 +12,8 @@
 // peak is the step's peak minus parameters, optimizer state (memsave::breakdown) and one gradient per
 // parameter (the Trainer frees gradients after each step, so they do not exist when the breakdown is taken,
 // but they do at the step's peak). Time: the four loops side by side, their steps taken in turn (so that the
-// machine's drift reaches all four alike), each the whole call, median over the timed steps.
+// machine's drift reaches all four alike), each round in its own order, each the whole call, median over the
+// timed steps.
 //   build/bench/memsave_bench_accumulate [--steps N]
 #include <memsave/memory.h>
 #include <memsave/trainer.h>
@@ -24,10 +25,13 @@
 #include <ATen/Parallel.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <numeric>
+#include <random>
 #include <vector>
 
 namespace {
@@ -117,7 +121,7 @@ int main(int argc, char** argv) {
   args.finish();
   std::printf(
       "threads %d; time: median of %d timed steps per loop (mlp: %d) after one untimed, "
-      "the loops in turn\n\n",
+      "the loops in turn, each round shuffled\n\n",
       at::get_num_threads(), steps, steps * kShortStepScale);
   std::printf(
       "| model | loop | micro-batch | peak | activations and other | host arena | items/s "
@@ -143,8 +147,14 @@ int main(int argc, char** argv) {
     std::vector<Loop> loops;
     for (const auto& make : makers) loops.push_back(make());
     std::vector<std::vector<double>> times(loops.size());
+    // Each round in its own order (shuffled, seeded), so that no loop always steps after the same other:
+    // what a step leaves behind (the allocator's state, say) then reaches every loop alike.
+    std::mt19937 rng(0);
+    std::vector<size_t> order(loops.size());
+    std::iota(order.begin(), order.end(), 0);
     for (int s = 0; s <= steps * step_scale; ++s) {  // step 0 creates the optimizer state and is not timed
-      for (size_t i = 0; i < loops.size(); ++i) {
+      std::shuffle(order.begin(), order.end(), rng);
+      for (const size_t i : order) {
         const auto start = std::chrono::steady_clock::now();
         loops[i].step();
         if (s > 0) times[i].push_back(memsave::bench::seconds_since(start));
