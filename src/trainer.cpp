@@ -322,6 +322,17 @@ torch::Tensor Trainer::forward(const std::vector<torch::Tensor>& inputs) {
   return forward_(inputs);
 }
 
+void Trainer::check_inputs(const std::vector<torch::Tensor>& inputs, const char* who) const {
+  TORCH_CHECK(!inputs.empty(), who, ": no input tensors");
+  TORCH_CHECK(!sequential_ || inputs.size() == 1, who, ": a Trainer over a Sequential takes one input, got ",
+              inputs.size(), "; build it with a forward function (Trainer(model, forward, ...)) for several");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    TORCH_CHECK(inputs[i].defined(), who, ": input ", i, " is not defined");
+    TORCH_CHECK(inputs[i].device() == device_, who, ": input ", i, " is on ", inputs[i].device(),
+                " but the model is on ", device_);
+  }
+}
+
 StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target, const LossFunction& loss,
                         const torch::Tensor& mask) {
   return step(std::vector<torch::Tensor>{input}, target, loss, mask);
@@ -330,15 +341,7 @@ StepStats Trainer::step(const torch::Tensor& input, const torch::Tensor& target,
 StepStats Trainer::step(const std::vector<torch::Tensor>& inputs, const torch::Tensor& target,
                         const LossFunction& loss, const torch::Tensor& mask) {
   TORCH_CHECK(loss, "Trainer::step: loss is empty");
-  TORCH_CHECK(!inputs.empty(), "Trainer::step: no input tensors");
-  TORCH_CHECK(!sequential_ || inputs.size() == 1,
-              "Trainer::step: a Trainer over a Sequential takes one input, got ", inputs.size(),
-              "; build it with a forward function (Trainer(model, forward, ...)) for several");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    TORCH_CHECK(inputs[i].defined(), "Trainer::step: input ", i, " is not defined");
-    TORCH_CHECK(inputs[i].device() == device_, "Trainer::step: input ", i, " is on ", inputs[i].device(),
-                " but the model is on ", device_);
-  }
+  check_inputs(inputs, "Trainer::step");
   TORCH_CHECK(target.defined(), "Trainer::step: target is not defined");
   const torch::Tensor& input = inputs[0];
   std::vector<torch::Tensor> tensors = inputs;
@@ -867,9 +870,7 @@ torch::Tensor Trainer::predict(const torch::Tensor& input) {
 }
 
 torch::Tensor Trainer::predict(const std::vector<torch::Tensor>& inputs) {
-  TORCH_CHECK(!inputs.empty(), "Trainer::predict: no input tensors");
-  TORCH_CHECK(!sequential_ || inputs.size() == 1,
-              "Trainer::predict: a Trainer over a Sequential takes one input, got ", inputs.size());
+  check_inputs(inputs, "Trainer::predict");
   // Each module's mode is put back as it was, also when the forward throws.
   struct EvalModes {
     std::vector<std::pair<std::shared_ptr<torch::nn::Module>, bool>> was;

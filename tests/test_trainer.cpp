@@ -1574,6 +1574,10 @@ TEST(TrainerErrors, AModelWithAForwardFunctionRefusesCheckpointingAndBadInputs) 
             std::string::npos);
   EXPECT_THROW(trainer.step(std::vector<torch::Tensor>{}, y, masked_ce), c10::Error);
   EXPECT_THROW(trainer.step({torch::randn({8, 64}), torch::Tensor()}, y, masked_ce), c10::Error);
+  EXPECT_NE(message([&] {
+              trainer.predict({torch::randn({8, 64}), torch::Tensor()});
+            }).find("Trainer::predict: input 1 is not defined"),
+            std::string::npos);
   expect_equal(module_tensors(*net), before);
   for (const auto& p : net->parameters()) EXPECT_FALSE(p.grad().defined());
 

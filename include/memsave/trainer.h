@@ -217,6 +217,8 @@ class Trainer {
   void make_optimizer(const OptimizerFactory& make_optimizer);
   void check_optimizer();
   void make_accumulator();
+  /// Checks a step's or a prediction's inputs: some, one for a Sequential, defined, on the model's device.
+  void check_inputs(const std::vector<torch::Tensor>& inputs, const char* who) const;
   torch::Tensor forward(const std::vector<torch::Tensor>& inputs);
   /// Copies the model's buffers into `saved_buffers_`, before a step.
   void save_buffers();
