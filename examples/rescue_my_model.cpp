@@ -2,7 +2,7 @@
 // a budget; it walks the checklist on the real model, measures each candidate under the budget and prints the
 // fastest recipe that fits, as C++ to paste into the training code. The model is a Sequential (which the
 // checklist's checkpointing can cut), or with `--model two-inputs` a module of one's own with two inputs,
-// given with the function that runs it.
+// given with the function that runs it, whose image tower the checklist's checkpointing switches.
 //
 //   build/examples/rescue_my_model [--model sequential|two-inputs] [--batch 64] [--budget 48MiB]
 #include <memsave/memsave.h>
@@ -28,20 +28,26 @@ torch::nn::Sequential my_model() {
 }
 
 /// The user's own model that is not a Sequential: an image and a caption's token ids in, class logits out.
+/// The two stages of its image tower sit in memsave::nn::Checkpoint wrappers, which the rescue's recipes
+/// switch on (checkpointing every layer) or off; a block of several inputs would go through a wrapper's
+/// `run`.
 struct ImageAndCaptionImpl : torch::nn::Module {
-  ImageAndCaptionImpl()
-      : conv1(register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(3, 64, 3).padding(1)))),
-        conv2(register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(64, 128, 3).padding(1)))),
-        words(register_module("words", torch::nn::Embedding(1000, 128))),
-        head(register_module("head", torch::nn::Linear(256, 10))) {}
-  torch::Tensor forward(const torch::Tensor& image, const torch::Tensor& caption) {
-    torch::Tensor x = torch::relu(conv1(image));
-    x = torch::relu(conv2(torch::max_pool2d(x, 2))).mean({2, 3});
-    return head(torch::cat({x, words(caption).mean(1)}, 1));
+  ImageAndCaptionImpl() {
+    namespace nn = torch::nn;
+    stage1 = register_module("stage1", memsave::nn::Checkpoint(nn::Sequential(
+                                           nn::Conv2d(nn::Conv2dOptions(3, 64, 3).padding(1)), nn::ReLU())));
+    stage2 = register_module(
+        "stage2", memsave::nn::Checkpoint(nn::Sequential(
+                      nn::MaxPool2d(2), nn::Conv2d(nn::Conv2dOptions(64, 128, 3).padding(1)), nn::ReLU())));
+    words = register_module("words", nn::Embedding(1000, 128));
+    head = register_module("head", nn::Linear(256, 10));
   }
-  torch::nn::Conv2d conv1, conv2;
-  torch::nn::Embedding words;
-  torch::nn::Linear head;
+  torch::Tensor forward(const torch::Tensor& image, const torch::Tensor& caption) {
+    return head(torch::cat({stage2(stage1(image)).mean({2, 3}), words(caption).mean(1)}, 1));
+  }
+  memsave::nn::Checkpoint stage1{nullptr}, stage2{nullptr};
+  torch::nn::Embedding words{nullptr};
+  torch::nn::Linear head{nullptr};
 };
 TORCH_MODULE(ImageAndCaption);
 

@@ -529,12 +529,30 @@ std::vector<at::Tensor> checkpoint(const CheckpointFunction& fn, at::TensorList 
 namespace nn {
 
 torch::Tensor CheckpointImpl::forward(const torch::Tensor& input) {
-  if (!is_training()) return forward_(input);
+  TORCH_CHECK(forward_,
+              "Checkpoint: the wrapped module's forward does not take one tensor; call "
+              "Checkpoint::run with a function that calls it");
+  if (!is_training() || !enabled_) return forward_(input);
   auto fn = [this](at::TensorList x) { return std::vector<at::Tensor>{forward_(x[0])}; };
   return checkpoint(*this, fn, {input}, options_)[0];
 }
 
+std::vector<torch::Tensor> CheckpointImpl::run(const CheckpointFunction& fn, at::TensorList inputs) {
+  TORCH_CHECK(fn, "Checkpoint::run: the function is empty");
+  if (!is_training() || !enabled_) return fn(inputs);
+  return checkpoint(*this, fn, inputs, options_);
+}
+
 void CheckpointImpl::pretty_print(std::ostream& stream) const { stream << "memsave::nn::Checkpoint"; }
+
+std::vector<std::shared_ptr<CheckpointImpl>> checkpoint_blocks(
+    const std::shared_ptr<torch::nn::Module>& module) {
+  TORCH_CHECK(module != nullptr, "checkpoint_blocks: module is null");
+  std::vector<std::shared_ptr<CheckpointImpl>> blocks;
+  for (const auto& m : module->modules())
+    if (auto block = std::dynamic_pointer_cast<CheckpointImpl>(m)) blocks.push_back(std::move(block));
+  return blocks;
+}
 
 CheckpointSequentialImpl::CheckpointSequentialImpl(torch::nn::Sequential sequential,
                                                    std::vector<Segment> segments, CheckpointOptions options)

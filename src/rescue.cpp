@@ -353,8 +353,23 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
         checkpoint([](at::TensorList x) { return std::vector<torch::Tensor>{x[0] * 2}; }, {probe})[0];
     model.piece_state_ = memory_stats(device).current - before - bytes_of(out);
   }
-  for (bool amp : {false, true}) {
-    Activations& a = amp ? model.amp_ : model.fp32_;
+  // A model of any shape is profiled with its checkpointed blocks off, and again with them on.
+  const auto blocks = net.sequential ? std::vector<std::shared_ptr<nn::CheckpointImpl>>{}
+                                     : nn::checkpoint_blocks(net.module());
+  model.blocks_ = blocks.size();
+  model.any_shape_ = !net.sequential;
+  auto switch_blocks = [&](bool on) {
+    for (const auto& block : blocks) {
+      block->enable(on);
+      block->options().offload_inputs(false);
+    }
+  };
+  switch_blocks(false);
+  for (int variant = 0; variant < (blocks.empty() ? 2 : 4); ++variant) {
+    const bool amp = variant % 2 == 1;
+    if (variant == 2) switch_blocks(true);
+    Activations& a =
+        variant < 2 ? (amp ? model.amp_ : model.fp32_) : (amp ? model.amp_blocks_ : model.fp32_blocks_);
     const Pass large = run_pass(amp, large_batch);
     const Pass small = run_pass(amp, small_batch);
     // Once more onto the gradients it left: what a later micro-batch's gradients add while they arrive.
@@ -516,11 +531,23 @@ int64_t MemoryModel::predict(const Recipe& recipe) const {
   TORCH_CHECK(!recipe.amp() || *recipe.amp() == amp_dtype_,
               "MemoryModel::predict: the recipe's mixed precision is ", recipe.amp().value_or(amp_dtype_),
               " but the profile ran under ", amp_dtype_, " autocast (MemoryModel::profile's amp)");
+  const Checkpointing::Kind kind = recipe.checkpoint().kind;
+  TORCH_CHECK(!any_shape_ || kind == Checkpointing::Kind::kNone ||
+                  (kind == Checkpointing::Kind::kEveryLayer && blocks_ > 0),
+              "MemoryModel::predict: the recipe's checkpoint is ", recipe.checkpoint().name,
+              " but the model of any shape has ",
+              blocks_ > 0 ? "memsave::nn::Checkpoint blocks, all on (every layer) or all off (none)"
+                          : "no memsave::nn::Checkpoint blocks to turn on");
   const int64_t rows = recipe.micro_batch() == 0 ? batch_ : std::min(recipe.micro_batch(), batch_);
-  const Activations& a = recipe.amp() ? amp_ : fp32_;
+  // A model of any shape checkpoints inside its one element: the profile with its blocks on, run whole.
+  const bool blocks_on = any_shape_ && kind == Checkpointing::Kind::kEveryLayer;
+  const Activations& a =
+      blocks_on ? (recipe.amp() ? amp_blocks_ : fp32_blocks_) : (recipe.amp() ? amp_ : fp32_);
   const double held =
       static_cast<double>(param_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_);
-  const double pass = held + pass_peak(a, recipe, static_cast<double>(rows), rows < batch_);
+  const double pass =
+      held + pass_peak(a, blocks_on ? Recipe(recipe).checkpoint(Checkpointing::none()) : recipe,
+                       static_cast<double>(rows), rows < batch_);
   const bool own_kernels = recipe.state_bits() != 32 || recipe.offload() == Offload::kOptimizerState;
   const double step =
       static_cast<double>(static_bytes(recipe)) + (own_kernels ? 0 : static_cast<double>(step_extra_));
@@ -542,7 +569,7 @@ c10::ScalarType mixed_precision_dtype(c10::Device device) {
 }
 
 std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp,
-                              const OptimizerFactory& optimizer) {
+                              const OptimizerFactory& optimizer, size_t blocks) {
   TORCH_CHECK(amp == c10::kBFloat16 || amp == c10::kHalf, "checklist: amp must be BFloat16 or Half, got ",
               amp);
   std::vector<Recipe> levels;  // fp16 (Recipe's kAuto) scales the gradients, bf16 does not
@@ -551,14 +578,15 @@ std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType am
   const auto root = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(elements))));
   if (root >= 2 && root < static_cast<int64_t>(elements))
     levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::segments(root)));
-  if (elements >= 2) levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::every_layer()));
+  const bool every_layer = elements >= 2 || blocks > 0;
+  if (every_layer) levels.push_back(Recipe().amp(amp).checkpoint(Checkpointing::every_layer()));
   // Offloaded state costs the device nothing whatever its width: the offload level keeps 8 bits.
   const Recipe states[] = {Recipe().state_bits(8), Recipe().state_bits(4),
                            Recipe().state_bits(8).offload(Offload::kOptimizerState)};
   for (const Recipe& state : states) {
     levels.push_back(state);
     levels.push_back(Recipe(state).amp(amp));
-    if (elements >= 2) levels.push_back(Recipe(state).amp(amp).checkpoint(Checkpointing::every_layer()));
+    if (every_layer) levels.push_back(Recipe(state).amp(amp).checkpoint(Checkpointing::every_layer()));
   }
   levels.erase(std::remove_if(levels.begin(), levels.end(),
                               [&](const Recipe& r) { return !builds_state(optimizer, r); }),
@@ -655,7 +683,8 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
     return plan;
   }
 
-  const std::vector<Recipe> recipes = checklist(options.batch(), model.elements(), amp, setup.optimizer);
+  const std::vector<Recipe> recipes =
+      checklist(options.batch(), model.elements(), amp, setup.optimizer, model.checkpoint_blocks());
   for (const Recipe& r : recipes) {
     Candidate c;
     c.recipe = r;

@@ -225,6 +225,7 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
   TORCH_CHECK(make_optimizer, "Trainer: make_optimizer is empty");
   adopt(std::move(model));
   this->make_optimizer(make_optimizer);
+  switch_blocks();
 }
 
 Trainer::Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
@@ -233,6 +234,7 @@ Trainer::Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
   check_optimizer();
   adopt(std::move(model));
   make_accumulator();
+  switch_blocks();
 }
 
 void Trainer::make_optimizer(const OptimizerFactory& make_optimizer) {
@@ -271,16 +273,29 @@ void Trainer::adopt(std::shared_ptr<torch::nn::Module> model) {
   check_recipe(recipe_);
   if (!sequential_) {
     TORCH_CHECK(forward_, "Trainer: the forward function is empty");
+    // The recipe switches the module's own checkpointed blocks: all on, or all off.
+    const Checkpointing::Kind kind = recipe_.checkpoint().kind;
+    TORCH_CHECK(kind == Checkpointing::Kind::kNone || kind == Checkpointing::Kind::kEveryLayer,
+                "Recipe: checkpoint ", recipe_.checkpoint().name,
+                " cuts a torch::nn::Sequential, and this Trainer was given a module with a forward function; "
+                "Checkpointing::every_layer() turns on the memsave::nn::Checkpoint blocks inside it");
+    const auto blocks = nn::checkpoint_blocks(model);
     TORCH_CHECK(
-        recipe_.checkpoint().kind == Checkpointing::Kind::kNone, "Recipe: checkpoint ",
-        recipe_.checkpoint().name,
-        " cuts a torch::nn::Sequential, and this Trainer was given a module with a forward function; "
-        "leave the recipe's checkpoint none and checkpoint inside the module (memsave::nn::Checkpoint, "
-        "memsave::nn::checkpoint_sequential of its blocks)");
+        kind == Checkpointing::Kind::kNone || !blocks.empty(),
+        "Recipe: checkpoint every layer turns on the memsave::nn::Checkpoint blocks of a module with a "
+        "forward function, and this one has none; wrap its blocks in memsave::nn::Checkpoint");
     module_ = model;
   }
   model_ = std::move(model);
   if (recipe_.scales_gradients()) scaler_.emplace();
+}
+
+void Trainer::switch_blocks() {
+  const bool on = recipe_.checkpoint().kind == Checkpointing::Kind::kEveryLayer;
+  for (const auto& block : nn::checkpoint_blocks(model_)) {
+    block->enable(on);
+    block->options().offload_inputs(recipe_.offload_activations());
+  }
 }
 
 void Trainer::apply(const torch::nn::Sequential& model) {

@@ -413,7 +413,8 @@ TEST(Rescue, OnTheCpuRunsStopAtTheSimulatedDeviceRoom) {
 void expect_predicts_the_checklist(const TrainingSetup& setup, int64_t batch,
                                    c10::ScalarType amp = torch::kBFloat16) {
   const MemoryModel model = MemoryModel::profile(setup, batch, torch::kCPU, amp);
-  for (const Recipe& r : checklist(batch, model.elements(), amp, setup.optimizer)) {
+  for (const Recipe& r :
+       checklist(batch, model.elements(), amp, setup.optimizer, model.checkpoint_blocks())) {
     if (r.micro_batch() != 0 && r.micro_batch() * 4 < batch) continue;
     const int64_t measured = measure(setup, r, batch, torch::kCPU, 2).peak;
     const double error =
@@ -575,6 +576,112 @@ TEST(Rescue, RescuesAModelOfAnyShape) {
   EXPECT_EQ(trainer.step(inputs, target, setup.loss).items, batch);
 }
 
+/// A residual MLP block of a model of one's own: the token states and the row's features in.
+struct ResidualImpl : torch::nn::Module {
+  ResidualImpl()
+      : side(register_module("side", torch::nn::Linear(16, 64))),
+        up(register_module("up", torch::nn::Linear(64, 256))),
+        down(register_module("down", torch::nn::Linear(256, 64))) {}
+  torch::Tensor forward(const torch::Tensor& h, const torch::Tensor& features) {
+    return h + down(torch::gelu(up(h + side(features).unsqueeze(1))));
+  }
+  torch::nn::Linear side, up, down;
+};
+TORCH_MODULE(Residual);
+
+/// The model above with four such blocks, each in a memsave::nn::Checkpoint for the recipe to switch.
+struct BlocksImpl : torch::nn::Module {
+  BlocksImpl()
+      : embed(register_module("embed", torch::nn::Embedding(512, 64))),
+        head(register_module("head", torch::nn::Linear(64, 512))) {
+    for (int i = 0; i < 4; ++i) {
+      blocks.push_back(Residual());
+      wrappers.push_back(register_module("block" + std::to_string(i), nn::Checkpoint(blocks.back())));
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& tokens, const torch::Tensor& features) {
+    torch::Tensor h = embed(tokens);
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto block = blocks[i];
+      h = wrappers[i]->run(
+          [block](at::TensorList in) mutable { return std::vector{block->forward(in[0], in[1])}; },
+          {h, features})[0];
+    }
+    return head(h).flatten(0, 1);
+  }
+  torch::nn::Embedding embed;
+  std::vector<Residual> blocks;
+  std::vector<nn::Checkpoint> wrappers;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(Blocks);
+
+TrainingSetup blocks_setup() {
+  TrainingSetup setup = any_shape_setup();
+  setup.make_any_model = [] {
+    Blocks net;
+    return AnyModel{net.ptr(), [net](const std::vector<torch::Tensor>& in) mutable {
+                      return net->forward(in[0], in[1]);
+                    }};
+  };
+  return setup;
+}
+
+TEST(Estimate, PredictsTheCheckpointedBlocksOfAModelOfAnyShape) {
+  // Profiled with its blocks off and on: the checklist gains the levels that checkpoint every layer (every
+  // block on), none of segments, and every candidate is predicted within 1% of its measured peak.
+  install_meter();
+  const TrainingSetup setup = blocks_setup();
+  const MemoryModel model = MemoryModel::profile(setup, 16, torch::kCPU);
+  EXPECT_EQ(model.elements(), 1u);
+  EXPECT_EQ(model.checkpoint_blocks(), 4u);
+  const std::vector<Recipe> recipes =
+      checklist(16, model.elements(), torch::kBFloat16, setup.optimizer, model.checkpoint_blocks());
+  EXPECT_EQ(
+      std::count_if(recipes.begin(), recipes.end(),
+                    [](const Recipe& r) { return r.checkpoint().kind == Checkpointing::Kind::kSegments; }),
+      0);
+  EXPECT_GE(
+      std::count_if(recipes.begin(), recipes.end(),
+                    [](const Recipe& r) { return r.checkpoint().kind == Checkpointing::Kind::kEveryLayer; }),
+      4 * 5);  // four levels, micro-batches 16 ... 1
+  expect_predicts_the_checklist(setup, 16);
+  EXPECT_THROW(model.predict(Recipe().checkpoint(Checkpointing::segments(2))), c10::Error);
+  EXPECT_THROW(MemoryModel::profile(any_shape_setup(), 16, torch::kCPU)
+                   .predict(Recipe().checkpoint(Checkpointing::every_layer())),
+               c10::Error);
+}
+
+TEST(Rescue, CheckpointsTheBlocksOfAModelOfAnyShape) {
+  // A budget between the peaks of bf16 with the blocks off and on: the rescue runs the one that checkpoints
+  // them, which fits, and not the other; its recommendation fits measured alone.
+  install_meter();
+  const TrainingSetup setup = blocks_setup();
+  const int64_t batch = 16;
+  const Recipe bf16 = Recipe().amp(torch::kBFloat16);
+  const Recipe blocks_on = Recipe(bf16).checkpoint(Checkpointing::every_layer());
+  const Measurement off = measure(setup, bf16, batch, torch::kCPU, 2);
+  const Measurement on = measure(setup, blocks_on, batch, torch::kCPU, 2);
+  ASSERT_FALSE(off.out_of_memory || on.out_of_memory);
+  EXPECT_LT(on.peak, off.peak * 9 / 10);
+  const int64_t budget = (on.peak + off.peak) / 2;
+  const RescuePlan plan = rescue(setup, RescueOptions(batch, budget).steps(2));
+  auto status = [&](const Recipe& r) {
+    for (const Candidate& c : plan.candidates)
+      if (c.recipe.to_cpp() == r.to_cpp()) return c.status;
+    ADD_FAILURE() << "no candidate " << r.label();
+    return Candidate::Status::kCannotFit;
+  };
+  EXPECT_EQ(status(bf16), Candidate::Status::kOutOfMemory);
+  EXPECT_EQ(status(blocks_on), Candidate::Status::kFits);
+  ASSERT_TRUE(plan.recommended.has_value());
+  const Candidate& best = plan.candidates[*plan.recommended];
+  EXPECT_LE(measure(setup, best.recipe, batch, torch::kCPU, 2).peak, budget);
+  std::printf("bf16 peak %s, with the blocks checkpointed %s, budget %s: %s\n",
+              format_bytes(off.peak).c_str(), format_bytes(on.peak).c_str(), format_bytes(budget).c_str(),
+              best.recipe.label().c_str());
+}
+
 TEST(Rescue, ATrainingSetupGivesOneModelWithItsBatches) {
   install_meter();
   const auto message = [](const TrainingSetup& setup) {
@@ -597,7 +704,7 @@ TEST(Rescue, ATrainingSetupGivesOneModelWithItsBatches) {
   half.make_inputs = nullptr;
   EXPECT_NE(message(half).find("without the other"), std::string::npos) << message(half);
   EXPECT_THROW(MemoryModel::profile(half, 4, torch::kCPU), c10::Error);
-  // A checkpointing recipe cuts a Sequential: for a model of any shape it is the Trainer's error.
+  // Checkpointing a model of any shape without memsave::nn::Checkpoint blocks: the Trainer's error.
   EXPECT_THROW(
       measure(any_shape_setup(), Recipe().checkpoint(Checkpointing::every_layer()), 4, torch::kCPU, 2),
       c10::Error);

@@ -1543,6 +1543,102 @@ TEST(Trainer, AModelOfAnyShapeSavesAndResumesExactly) {
   std::filesystem::remove(file);
 }
 
+/// A model of one's own whose blocks (two inputs each, BatchNorm and dropout inside) sit in
+/// memsave::nn::Checkpoint wrappers, for the recipe to switch.
+struct BlockImpl : tnn::Module {
+  BlockImpl()
+      : up(register_module("up", tnn::Linear(64, 256))),
+        side(register_module("side", tnn::Linear(8, 256))),
+        norm(register_module("norm", tnn::BatchNorm1d(256))),
+        down(register_module("down", tnn::Linear(256, 64))) {}
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& s) {
+    return x + down(F::dropout(torch::gelu(norm(up(x) + side(s))),
+                               F::DropoutFuncOptions().p(0.1).training(is_training())));
+  }
+  tnn::Linear up, side;
+  tnn::BatchNorm1d norm;
+  tnn::Linear down;
+};
+TORCH_MODULE(Block);
+
+struct BlocksImpl : tnn::Module {
+  BlocksImpl() : head(register_module("head", tnn::Linear(64, 5))) {
+    for (int i = 0; i < 3; ++i) {
+      blocks.push_back(Block());
+      wrappers.push_back(
+          register_module("block" + std::to_string(i), memsave::nn::Checkpoint(blocks.back())));
+    }
+  }
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& s) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      auto block = blocks[i];
+      x = wrappers[i]->run(
+          [block](at::TensorList in) mutable { return std::vector{block->forward(in[0], in[1])}; },
+          {x, s})[0];
+    }
+    return head(x);
+  }
+  std::vector<Block> blocks;
+  std::vector<memsave::nn::Checkpoint> wrappers;
+  tnn::Linear head;
+};
+TORCH_MODULE(Blocks);
+
+TEST(Trainer, TheRecipeSwitchesTheCheckpointedBlocksOfAModelOfAnyShape) {
+  // Checkpointing every layer turns the blocks on: the same parameters, running statistics and dropout as
+  // with them off, bit for bit; offloaded activations keep the blocks' inputs in the host arena. A recipe
+  // without checkpointing turns them off. A Trainer that fails to build switches nothing. (What the blocks
+  // save: Checkpoint.WrapsBlocksOfSeveralInputsAndCanBeSwitchedOff, Rescue.CheckpointsTheBlocksOf...)
+  install_meter();
+  const auto batches = two_inputs_batches(3);
+  auto forward = [](Blocks net) -> Forward {
+    return [net](const std::vector<torch::Tensor>& in) mutable { return net->forward(in[0], in[1]); };
+  };
+  auto train = [&](const Recipe& recipe, int64_t& host_peak) {
+    torch::manual_seed(5);
+    Blocks net;
+    for (auto& w : net->wrappers) {  // the other way round, for the Trainer to switch
+      w->enable(recipe.checkpoint().kind != Checkpointing::Kind::kEveryLayer);
+      w->options().offload_inputs(!recipe.offload_activations());
+    }
+    Trainer trainer(net.ptr(), forward(net), adamw(1e-2), recipe);
+    for (auto& w : net->wrappers) {
+      EXPECT_EQ(w->enabled(), recipe.checkpoint().kind == Checkpointing::Kind::kEveryLayer);
+      EXPECT_EQ(w->options().offload_inputs(), recipe.offload_activations());
+    }
+    torch::manual_seed(9);
+    const int64_t host_before = host_memory_stats().current;
+    reset_host_peak();
+    for (const auto& b : batches) trainer.step({b.x, b.side}, b.target, masked_ce, b.mask);
+    host_peak = host_memory_stats().peak - host_before;
+    return module_tensors(*net);
+  };
+  int64_t plain_host = 0, on_host = 0, offloaded_host = 0;
+  const auto plain = train(Recipe().micro_batch(4), plain_host);
+  const auto on = train(Recipe().micro_batch(4).checkpoint(Checkpointing::every_layer()), on_host);
+  const auto offloaded =
+      train(Recipe().micro_batch(4).checkpoint(Checkpointing::every_layer()).offload_activations(true),
+            offloaded_host);
+  expect_equal(on, plain);
+  expect_equal(offloaded, plain);
+  EXPECT_EQ(on_host, plain_host);
+  // Each block's two inputs of a micro-batch of 4 rows (x: 64 floats a row, side: 8).
+  EXPECT_GE(offloaded_host - on_host, 4 * (64 + 8) * 4);
+
+  // Built with them on, a recipe without checkpointing turns them off; a Trainer that fails to build leaves
+  // them as they were.
+  Blocks net;
+  for (auto& w : net->wrappers) EXPECT_TRUE(w->enabled());
+  Trainer off(net.ptr(), forward(net), adamw(), Recipe());
+  for (auto& w : net->wrappers) EXPECT_FALSE(w->enabled());
+  const OptimizerFactory none = [](const std::vector<torch::Tensor>&, const Recipe&) {
+    return std::unique_ptr<torch::optim::Optimizer>();
+  };
+  EXPECT_THROW(Trainer(net.ptr(), forward(net), none, Recipe().checkpoint(Checkpointing::every_layer())),
+               c10::Error);
+  for (auto& w : net->wrappers) EXPECT_FALSE(w->enabled());
+}
+
 TEST(TrainerErrors, AModelWithAForwardFunctionRefusesCheckpointingAndBadInputs) {
   auto net = two_inputs(0);
   const auto message = [](const std::function<void()>& f) {
@@ -1553,9 +1649,14 @@ TEST(TrainerErrors, AModelWithAForwardFunctionRefusesCheckpointingAndBadInputs) 
     }
     return std::string("no error");
   };
-  // Checkpointing cuts a Sequential: the recipe's is refused at construction, naming what to do instead.
+  // Checkpointing switches the module's memsave::nn::Checkpoint blocks, of which this one has none; segments
+  // cut a Sequential. Both refused at construction, naming what to do instead.
   EXPECT_NE(message([&] {
               Trainer(net.ptr(), forward_of(net), adamw(), Recipe().checkpoint(Checkpointing::every_layer()));
+            }).find("has none; wrap its blocks in memsave::nn::Checkpoint"),
+            std::string::npos);
+  EXPECT_NE(message([&] {
+              Trainer(net.ptr(), forward_of(net), adamw(), Recipe().checkpoint(Checkpointing::segments(2)));
             }).find("cuts a torch::nn::Sequential"),
             std::string::npos);
   EXPECT_THROW(Trainer(net.ptr(), Forward(), adamw()), c10::Error);

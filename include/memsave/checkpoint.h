@@ -35,6 +35,8 @@
 
 #include <functional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace memsave {
@@ -69,31 +71,64 @@ std::vector<torch::Tensor> checkpoint(const CheckpointFunction& fn, at::TensorLi
 
 namespace nn {
 
-/// Wraps a module with a `Tensor forward(Tensor)` so that its forward is checkpointed. The wrapped module is
-/// a registered child ("module"): parameters(), to(), train()/eval() and serialization see through.
+/// Wraps a module so that its forward is checkpointed. The wrapped module is a registered child ("module"):
+/// parameters(), to(), train()/eval() and serialization see through. A module whose forward takes one tensor
+/// runs through `forward`; any other (a block taking its input and a mask) through `run`, in the forward of
+/// the module that holds the wrapper:
+///
+///   x = block_ckpt->run([&](at::TensorList in) { return std::vector{block->forward(in[0], in[1])}; },
+///                       {x, mask})[0];
+///
+/// A wrapper can be switched off (`enable(false)`): it then runs the module as it is. A memsave::Trainer
+/// over a model of any shape switches every wrapper inside it per its recipe (Checkpointing::every_layer()
+/// on, none() off), so that the OOM rescue can weigh checkpointing a model it cannot cut.
 class CheckpointImpl : public torch::nn::Module {
+  /// Whether `M::forward` takes one tensor and returns one.
+  template <typename M, typename = void>
+  struct takes_one_tensor : std::false_type {};
+  template <typename M>
+  struct takes_one_tensor<M, std::void_t<decltype(std::declval<M&>().forward(std::declval<torch::Tensor>()))>>
+      : std::is_convertible<decltype(std::declval<M&>().forward(std::declval<torch::Tensor>())),
+                            torch::Tensor> {};
+
  public:
   template <typename ModuleType>
   explicit CheckpointImpl(std::shared_ptr<ModuleType> module, CheckpointOptions options = {})
       : options_(options) {
     TORCH_CHECK(module != nullptr, "Checkpoint: module is empty");
     register_module("module", module);
-    forward_ = [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
+    if constexpr (takes_one_tensor<ModuleType>::value)
+      forward_ = [module](const torch::Tensor& x) -> torch::Tensor { return module->forward(x); };
   }
   template <typename ModuleType>
   explicit CheckpointImpl(torch::nn::ModuleHolder<ModuleType> module, CheckpointOptions options = {})
       : CheckpointImpl(module.is_empty() ? nullptr : module.ptr(), options) {}
 
+  /// The wrapped module's forward of one tensor (an error for a module whose forward takes other arguments:
+  /// use `run`).
   torch::Tensor forward(const torch::Tensor& input);
+  /// Runs `fn` (a computation with the wrapped module) on `inputs`, checkpointed with the wrapped module as
+  /// the owner of the buffers it updates, when the wrapper is on, in train mode and under grad mode;
+  /// otherwise as it is.
+  std::vector<torch::Tensor> run(const CheckpointFunction& fn, at::TensorList inputs);
   void pretty_print(std::ostream& stream) const override;
 
+  /// Turns checkpointing on or off (on when built).
+  void enable(bool on = true) { enabled_ = on; }
+  bool enabled() const { return enabled_; }
   const CheckpointOptions& options() const { return options_; }
+  CheckpointOptions& options() { return options_; }
 
  private:
   std::function<torch::Tensor(const torch::Tensor&)> forward_;
   CheckpointOptions options_;
+  bool enabled_ = true;
 };
 TORCH_MODULE(Checkpoint);
+
+/// The memsave::nn::Checkpoint wrappers in `module` (itself included), in the order of its modules().
+std::vector<std::shared_ptr<CheckpointImpl>> checkpoint_blocks(
+    const std::shared_ptr<torch::nn::Module>& module);
 
 /// Decides, for each element of a Sequential, whether its activations are kept (true) or recomputed (false).
 using KeepPolicy = std::function<bool(const std::string& name, const torch::nn::Module& layer)>;

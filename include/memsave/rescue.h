@@ -4,7 +4,8 @@
 //   auto plan = memsave::rescue(setup, memsave::RescueOptions(/*batch=*/64, memsave::parse_bytes("300MiB")));
 //   if (plan.recommended) std::cout << plan.candidates[*plan.recommended].recipe.to_cpp();
 //
-// A model that is not a Sequential gives its module and forward function, and batches of several inputs:
+// A model that is not a Sequential gives its module and forward function, and batches of several inputs;
+// the blocks it holds in memsave::nn::Checkpoint wrappers are what the checklist's checkpointing switches on:
 //
 //   setup.make_any_model = [] {
 //     MyNet net;
@@ -55,8 +56,10 @@ struct TrainingSetup {
   OptimizerFactory optimizer = adamw();
   /// Instead of make_model and make_batch, a model of any shape (a module of your own, several inputs) and
   /// its batches: the inputs, each with `rows` rows on dim 0, and the target. Such a model is measured and
-  /// profiled whole, as one element: its checklist has no checkpointing levels (checkpoint inside the module,
-  /// and the rescue measures what that leaves), the rest is the same.
+  /// profiled whole, as one element. Its checkpointing levels are those of every layer, when it has
+  /// memsave::nn::Checkpoint blocks inside: profiled with them off and on, and switched by the recipe (see
+  /// Trainer); without such blocks it has none (checkpointing done otherwise inside the module stays, and
+  /// the rescue measures what that leaves). The rest of the checklist is the same.
   std::function<AnyModel()> make_any_model;
   std::function<std::pair<std::vector<torch::Tensor>, torch::Tensor>(int64_t rows, c10::Device device)>
       make_inputs;
@@ -111,6 +114,9 @@ class MemoryModel {
   int64_t batch() const { return batch_; }
   int64_t parameter_bytes() const { return param_bytes_; }
   size_t elements() const { return fp32_.stored.size(); }
+  /// The memsave::nn::Checkpoint blocks of a model of any shape (0 for a Sequential): with some, it was
+  /// profiled with them off and on, and a recipe checkpointing every layer turns them on.
+  size_t checkpoint_blocks() const { return blocks_; }
 
  private:
   /// Bytes as fixed + per_row * rows, fitted per element through the profile's two sizes.
@@ -148,6 +154,9 @@ class MemoryModel {
   int64_t param_bytes_ = 0;
   int64_t batch_bytes_per_row_ = 0;
   Activations fp32_, amp_;
+  Activations fp32_blocks_, amp_blocks_;  ///< a model of any shape with its checkpointed blocks on
+  bool any_shape_ = false;
+  size_t blocks_ = 0;
   int64_t step_extra_ = 0;   ///< the optimizer step's temporaries beyond its state
   int64_t piece_state_ = 0;  ///< what a checkpointed piece keeps beside its input and output
   /// per element: the first and the last element that use one of its parameters (itself, for a parameter of
@@ -227,9 +236,11 @@ c10::ScalarType mixed_precision_dtype(c10::Device device);
 /// state alone fits and runs faster than with checkpointing, and without autocast's half-precision copies of
 /// the weights); each level with micro-batches batch, batch/2, ... 1. The levels whose state `optimizer` does
 /// not build are left out (builds_state: memsave::sgd has no offloaded state, a factory that returns
-/// LibTorch's optimizer whatever the recipe no low-bit state).
+/// LibTorch's optimizer whatever the recipe no low-bit state). A model of any shape is one element; with
+/// `blocks` > 0 memsave::nn::Checkpoint blocks inside it, its levels checkpointing every layer (every block
+/// on) are there too.
 std::vector<Recipe> checklist(int64_t batch, size_t elements, c10::ScalarType amp,
-                              const OptimizerFactory& optimizer = adamw());
+                              const OptimizerFactory& optimizer = adamw(), size_t blocks = 0);
 
 /// Whether `recipe` only adds work to `fitted` for the same effective `batch`, so that it cannot run faster
 /// where `fitted` fits: the same recipe but for micro-batches no larger (more steps) and checkpointing that

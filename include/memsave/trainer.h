@@ -12,8 +12,10 @@
 //
 //   memsave::Trainer trainer(net.ptr(), [net](const std::vector<torch::Tensor>& in) mutable {
 //     return net->forward(in[0], in[1]);
-//   }, memsave::adamw(1e-3), recipe);                                  // a recipe without checkpointing
+//   }, memsave::adamw(1e-3), recipe);
 //   trainer.step({tokens, padding}, targets, loss_fn);
+//
+// Its recipe's checkpointing (every_layer() or none) switches the memsave::nn::Checkpoint blocks inside it.
 #pragma once
 
 #include <memsave/accumulate.h>
@@ -145,10 +147,13 @@ class Trainer {
           Recipe recipe = {});
   /// A model of any shape (a module of your own, several inputs: token ids and their padding mask, say),
   /// run by `forward` on each micro-batch's inputs; tensors that are not cut into micro-batches (a causal
-  /// mask shared by every row) belong in the function. Checkpointing cuts a Sequential, so the recipe's
-  /// checkpoint must be none here (an error otherwise): checkpoint inside the module
-  /// (memsave::nn::Checkpoint, nn::checkpoint_sequential of its blocks). The rest of the recipe applies as
-  /// for a Sequential; save and load name the tensors as the module does.
+  /// mask shared by every row) belong in the function. The Trainer cannot cut such a model; the recipe's
+  /// checkpointing switches the memsave::nn::Checkpoint blocks inside it instead:
+  /// Checkpointing::every_layer() turns them all on (an error when there are none), none() all off (so a
+  /// recipe without checkpointing runs them plainly), and offload_activations sets their offload_inputs;
+  /// segments and policies are errors. Checkpointing the module does otherwise (memsave::checkpoint calls)
+  /// stays as it is. The rest of the recipe applies as for a Sequential; save and load name the tensors as
+  /// the module does.
   Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward, const OptimizerFactory& make_optimizer,
           Recipe recipe = {});
   Trainer(std::shared_ptr<torch::nn::Module> model, Forward forward,
@@ -214,6 +219,9 @@ class Trainer {
   void apply(const torch::nn::Sequential& model);
   /// Takes the model: checks its parameters and the recipe.
   void adopt(std::shared_ptr<torch::nn::Module> model);
+  /// Turns a model of any shape's memsave::nn::Checkpoint blocks on or off as the recipe says, once the
+  /// Trainer is built.
+  void switch_blocks();
   void make_optimizer(const OptimizerFactory& make_optimizer);
   void check_optimizer();
   void make_accumulator();
