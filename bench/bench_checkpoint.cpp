@@ -1,8 +1,9 @@
 // Activation checkpointing on the CPU: peak activation memory (the meter) and time of a training step
-// (forward, loss, backward) for no checkpointing, every element, √n segments and a per-layer keep policy,
-// and under bf16 autocast for no checkpointing and every element; same model, batch and seed, one
-// invocation. Prints one JSON object per line (bench/run_checkpoint_bench.sh turns them, and the Python
-// peers', into the table in bench/RESULTS-checkpoint.md).
+// (forward, loss, backward) for no checkpointing, every element (through checkpoint_sequential, and through
+// memsave::nn::Checkpoint wrappers in a module of one's own), √n segments and a per-layer keep policy, and
+// under bf16 autocast for no checkpointing and every element; same model, batch and seed, one invocation.
+// Prints one JSON object per line (bench/run_checkpoint_bench.sh turns them, and the Python peers', into the
+// table in bench/RESULTS-checkpoint.md).
 //   build/bench/memsave_bench_checkpoint [--steps N]
 #include <memsave/amp.h>
 #include <memsave/checkpoint.h>
@@ -61,6 +62,23 @@ Result run(const std::string& model, int64_t batch, const std::string& setting, 
     wrapped = memsave::nn::checkpoint_sequential(net, policy_for(model), /*max_run=*/1);
   }
   if (wrapped) forward = [wrapped](const torch::Tensor& x) mutable { return wrapped->forward(x); };
+  if (setting == "module's Checkpoint blocks") {
+    // The model as a module of one's own would hold it: every element but the last in a
+    // memsave::nn::Checkpoint (on), run one after the other by its forward. The plan of "every layer",
+    // reached the way a Trainer's recipe checkpoints a model it cannot cut.
+    auto blocks = std::make_shared<tnn::Module>();
+    std::vector<memsave::nn::Checkpoint> wrappers;
+    for (int64_t i = 0; i + 1 < n; ++i) {
+      tnn::Sequential one;
+      one->push_back(net->begin()[i]);
+      wrappers.push_back(blocks->register_module("block" + std::to_string(i), memsave::nn::Checkpoint(one)));
+    }
+    forward = [blocks, wrappers, net](const torch::Tensor& input) mutable {
+      torch::Tensor x = input;
+      for (auto& w : wrappers) x = w->forward(x);
+      return net->begin()[net->size() - 1].forward(x);
+    };
+  }
 
   const auto data = w.make_batch(batch, torch::kCPU);
   for (auto& p : net->parameters()) p.mutable_grad() = torch::zeros_like(p);  // gradients outside the peak
@@ -98,8 +116,8 @@ int main(int argc, char** argv) {
   args.finish();
   const std::pair<const char*, int64_t> cases[] = {{"gpt-12l", 8}, {"resnet50", 8}};
   for (const auto& [model, batch] : cases) {
-    for (const char* setting :
-         {"none", "every layer", "sqrt(n) segments", "per-layer policy", "bf16", "bf16, every layer"}) {
+    for (const char* setting : {"none", "every layer", "module's Checkpoint blocks", "sqrt(n) segments",
+                                "per-layer policy", "bf16", "bf16, every layer"}) {
       const Result r = run(model, batch, setting, steps);
       std::printf(
           "{\"impl\": \"memsave\", \"model\": \"%s\", \"batch\": %lld, \"setting\": \"%s\", \"activations\": "
