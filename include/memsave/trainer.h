@@ -35,12 +35,14 @@
 
 namespace memsave {
 
-/// How a Trainer checkpoints its (Sequential) model.
+/// How a Trainer checkpoints its model: a Sequential it cuts into pieces; a model of any shape it checkpoints by
+/// switching the memsave::nn::Checkpoint blocks inside it (none: all off, every_layer: all on).
 struct Checkpointing {
   enum class Kind { kNone, kEveryLayer, kSegments, kPolicy };
 
   static Checkpointing none() { return {}; }
-  /// Every element recomputed on its own (but the last, which backward needs at once).
+  /// Every element recomputed on its own (but the last, which backward needs at once); in a model of any
+  /// shape, every memsave::nn::Checkpoint block.
   static Checkpointing every_layer() { return {Kind::kEveryLayer, 0, {}, 0, "every layer"}; }
   /// `n` segments of near-equal length, all but the last recomputed.
   static Checkpointing segments(int64_t n) {
