@@ -279,9 +279,8 @@ void Trainer::adopt(std::shared_ptr<torch::nn::Module> model) {
                 "Recipe: checkpoint ", recipe_.checkpoint().name,
                 " cuts a torch::nn::Sequential, and this Trainer was given a module with a forward function; "
                 "Checkpointing::every_layer() turns on the memsave::nn::Checkpoint blocks inside it");
-    const auto blocks = nn::checkpoint_blocks(model);
     TORCH_CHECK(
-        kind == Checkpointing::Kind::kNone || !blocks.empty(),
+        kind == Checkpointing::Kind::kNone || !nn::checkpoint_blocks(model).empty(),
         "Recipe: checkpoint every layer turns on the memsave::nn::Checkpoint blocks of a module with a "
         "forward function, and this one has none; wrap its blocks in memsave::nn::Checkpoint");
     module_ = model;

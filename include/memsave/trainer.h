@@ -35,8 +35,8 @@
 
 namespace memsave {
 
-/// How a Trainer checkpoints its model: a Sequential it cuts into pieces; a model of any shape it checkpoints by
-/// switching the memsave::nn::Checkpoint blocks inside it (none: all off, every_layer: all on).
+/// How a Trainer checkpoints its model: a Sequential it cuts into pieces; a model of any shape it checkpoints
+/// by switching the memsave::nn::Checkpoint blocks inside it (none: all off, every_layer: all on).
 struct Checkpointing {
   enum class Kind { kNone, kEveryLayer, kSegments, kPolicy };
 
