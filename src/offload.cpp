@@ -434,7 +434,9 @@ OffloadOptimizer::OffloadOptimizer(const std::vector<torch::optim::OptimizerPara
       TORCH_CHECK(seen.insert(p.unsafeGetTensorImpl()).second, "OffloadOptimizer: parameter ", i,
                   " is listed twice (a module used twice appears twice in LibTorch's parameters(): "
                   "memsave::unique_parameters(model->parameters()) lists it once)");
-      if (p.numel() < options.min_offload_size()) {
+      // A small tensor, or a frozen one (no master or gradient buffer on the host for a parameter no
+      // backward reaches), stays on the device: its AdamW makes state only once a gradient comes.
+      if (p.numel() < options.min_offload_size() || !p.requires_grad()) {
         small[g].push_back(p);
         ++i;
         continue;
@@ -450,6 +452,7 @@ OffloadOptimizer::OffloadOptimizer(const std::vector<torch::optim::OptimizerPara
       Offloaded o;
       o.param = p;
       o.group = g;
+      o.index = static_cast<int64_t>(i);
       o.master = detail::host_empty_like(p, torch::kFloat);
       o.grad = detail::host_empty_like(p, torch::kFloat);
       if (p.is_cuda() && p.scalar_type() != torch::kFloat)
@@ -766,6 +769,11 @@ void OffloadOptimizer::save(torch::serialize::OutputArchive& archive) const {
                   /*is_buffer=*/true);
   }
   archive.write("offload/count", static_cast<int64_t>(offloaded_.size()));
+  // Which parameters are offloaded (not those frozen when it was built): a file read into an optimizer that
+  // offloads others would give masters to the wrong parameters.
+  std::vector<int64_t> which;
+  for (const Offloaded& o : offloaded_) which.push_back(o.index);
+  archive.write("offload/which", torch::tensor(which, torch::kLong), /*is_buffer=*/true);
   for (size_t i = 0; i < offloaded_.size(); ++i)
     archive.write("offload/master" + std::to_string(i), offloaded_[i].master);
   if (host_) {
@@ -784,7 +792,17 @@ void OffloadOptimizer::load(torch::serialize::InputArchive& archive) {
   // Everything is read and checked into temporaries first; the optimizer changes only when all of it is good.
   const int64_t count = read_int(archive, "offload/count");
   TORCH_CHECK(count == static_cast<int64_t>(offloaded_.size()), "OffloadOptimizer::load: the file has ",
-              count, " offloaded parameters, this optimizer ", offloaded_.size());
+              count, " offloaded parameters, this optimizer ", offloaded_.size(),
+              " (a parameter is offloaded when it has min_offload_size elements or more and requires grad "
+              "when the optimizer is built)");
+  // Files from before it was saved offloaded every parameter of min_offload_size elements or more.
+  const std::vector<int64_t> which =
+      detail::read_int_list(archive, "offload/which", "OffloadOptimizer::load");
+  for (size_t i = 0; i < which.size(); ++i)
+    TORCH_CHECK(which[i] == offloaded_[i].index, "OffloadOptimizer::load: the file's offloaded parameter ", i,
+                " is parameter ", which[i], ", this optimizer's parameter ", offloaded_[i].index,
+                " (a parameter is offloaded when it has min_offload_size elements or more and requires grad "
+                "when the optimizer is built): the layers frozen then, or min_offload_size, differ");
   std::vector<torch::Tensor> masters;
   for (int64_t i = 0; i < count; ++i) {
     torch::Tensor master;

@@ -616,6 +616,13 @@ std::unique_ptr<torch::optim::Optimizer> file_optimizer(const std::string& type,
     torch::serialize::InputArchive saved;
     if (state.try_read("offload/options", saved)) options.serialize(saved);
     options.copy_during_backward(false).step_during_backward(false);
+    // It offloads the stand-ins that require grad (and are large enough): those the file's did (files from
+    // before it said which: all, when it offloaded any).
+    const std::vector<int64_t> which = detail::read_int_list(state, "offload/which", "Trainer::load");
+    const bool all = which.empty() && detail::read_int(state, "offload/count") > 0;
+    for (size_t i = 0; i < stand_ins.size(); ++i)
+      stand_ins[i].requires_grad_(all || std::find(which.begin(), which.end(), static_cast<int64_t>(i)) !=
+                                             which.end());
     return std::make_unique<OffloadOptimizer>(cpu, options);
   }
   return nullptr;

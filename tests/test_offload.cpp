@@ -946,6 +946,47 @@ TEST(Offload, ParametersWithoutGradientsAreLeftAlone) {
   EXPECT_FALSE(torch::equal(net->parameters()[0], model()->parameters()[0]));
 }
 
+TEST(Offload, AFrozenParameterTakesNoHostMemory) {
+  // A fine-tune with its first layer frozen: the optimizer's host arena holds exactly what one built over
+  // the trainable parameters alone holds, and the two train the same; unfrozen later, the layer is stepped
+  // on the device with its moments there.
+  install_meter();
+  auto frozen_model = [] {
+    auto net = model();
+    for (auto& p : net[0]->parameters()) p.requires_grad_(false);
+    return net;
+  };
+  auto net = frozen_model(), reference = frozen_model();
+  const auto first = net->parameters()[0].clone();
+  const OffloadOptimizerOptions options = OffloadOptimizerOptions(1e-2).state_bits(8).min_offload_size(1000);
+  int64_t host_bytes = 0, reference_bytes = 0;
+  {
+    const int64_t before = host_memory_stats().current;
+    OffloadOptimizer opt(net->parameters(), options);
+    host_bytes = host_memory_stats().current - before;
+    EXPECT_FALSE(opt.offloaded(net->parameters()[0]));
+    EXPECT_TRUE(opt.offloaded(net->parameters()[2]));
+    std::vector<torch::Tensor> trainable;
+    for (const auto& p : reference->parameters())
+      if (p.requires_grad()) trainable.push_back(p);
+    const int64_t reference_before = host_memory_stats().current;
+    OffloadOptimizer only_trainable(trainable, options);
+    reference_bytes = host_memory_stats().current - reference_before;
+    train(net, opt, 3);
+    train(reference, only_trainable, 3);
+    expect_same_parameters(net, reference);
+    EXPECT_TRUE(torch::equal(first, net->parameters()[0]));
+    EXPECT_EQ(opt.state_tensors().size(), 2u * 2u);  // the two trainable biases' moments, on the device
+
+    net->parameters()[0].requires_grad_(true);
+    train(net, opt, 1);
+    EXPECT_FALSE(torch::equal(first, net->parameters()[0]));
+    EXPECT_EQ(opt.state_tensors().size(), 2u * 2u + 2u);  // and the unfrozen weight's, on the device
+  }
+  EXPECT_EQ(host_bytes, reference_bytes);
+  EXPECT_GT(host_bytes, 0);
+}
+
 TEST(Offload, AnOutOfMemoryInTheSmallTensorsStepLeavesEveryParameterAsItWas) {
   // The tensors under min_offload_size step with LibTorch's AdamW on the device, after the host step; it
   // allocates as it goes (its state at the first step). Under budgets rising by 16 KiB, each first step

@@ -1278,6 +1278,69 @@ std::map<std::string, std::vector<torch::Tensor>> moments_by_name(torch::optim::
   return out;
 }
 
+TEST(Trainer, ResumesAFineTuneWithFrozenLayersUnderOffloadedState) {
+  // The first Linear frozen: the offloading optimizer keeps it on the device with no host master, its file
+  // says which parameters it offloaded, and a run saved under offloaded 8-bit state resumes under 8-bit state
+  // on the device, and back, step for step the saved run's continuation.
+  auto frozen_net = [] {
+    auto net = convertible_net();
+    for (auto& p : net[0]->parameters()) p.requires_grad_(false);
+    return net;
+  };
+  const Recipe offloaded = Recipe().offload(Offload::kOptimizerState).state_bits(8),
+               on_device = Recipe().state_bits(8);
+  const auto batches = mlp_batches(6);
+  const std::string file = temp_file("frozen");
+  for (const auto& [from, to] :
+       {std::pair{offloaded, on_device}, std::pair{on_device, offloaded}, std::pair{offloaded, offloaded}}) {
+    SCOPED_TRACE(from.label() + " -> " + to.label());
+    torch::manual_seed(0);
+    auto straight = frozen_net();
+    const torch::Tensor frozen = straight->parameters()[0].clone();
+    Trainer a(straight, adamw(1e-2), from);
+    for (int s = 0; s < 3; ++s) a.step(batches[s].input, batches[s].target, ce);
+    a.save(file);
+    for (int s = 3; s < 6; ++s) a.step(batches[s].input, batches[s].target, ce);
+    EXPECT_TRUE(torch::equal(straight->parameters()[0], frozen));
+
+    torch::manual_seed(1);
+    auto resumed = frozen_net();
+    Trainer b(resumed, adamw(1e-2), to);
+    b.load(file);
+    for (int s = 3; s < 6; ++s) b.step(batches[s].input, batches[s].target, ce);
+    expect_equal(model_tensors(resumed), model_tensors(straight));
+  }
+  // Into an offloading optimizer that froze another layer of the same shapes: an error naming the
+  // difference, which changes nothing.
+  auto twin = [] {
+    return tnn::Sequential(tnn::Linear(6, 64), tnn::Tanh(), tnn::Linear(64, 64), tnn::Tanh(),
+                           tnn::Linear(64, 64));
+  };
+  torch::manual_seed(0);
+  auto first = twin();
+  for (auto& p : first[2]->parameters()) p.requires_grad_(false);
+  Trainer a(first, adamw(1e-2), offloaded);
+  a.step(torch::randn({8, 6}), torch::randint(64, {8}), ce);
+  a.save(file);
+  torch::manual_seed(1);
+  auto second = twin();
+  for (auto& p : second[4]->parameters()) p.requires_grad_(false);
+  Trainer b(second, adamw(1e-2), offloaded);
+  b.step(torch::randn({8, 6}), torch::randint(64, {8}), ce);
+  const auto before = model_tensors(second);
+  const auto state_before = optimizer_state_tensors(b.optimizer());
+  try {
+    b.load(file);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("frozen"), std::string::npos) << e.what();
+  }
+  expect_equal(model_tensors(second), before);
+  const auto state_after = optimizer_state_tensors(b.optimizer());
+  ASSERT_EQ(state_after.size(), state_before.size());
+  for (size_t i = 0; i < state_after.size(); ++i) EXPECT_TRUE(state_after[i].is_same(state_before[i]));
+}
+
 TEST(Trainer, ResumesAnOptimizerWithParameterGroupsUnderOtherState) {
   // A run whose optimizer has two groups (matrices decay, vectors do not and have their own lr), saved with
   // fp32, 8-bit, 4-bit or offloaded state and resumed with another, as `memsave rescue` may advise: the

@@ -79,7 +79,10 @@ struct OffloadOptimizerOptions : torch::optim::OptimizerCloneableOptions<Offload
 class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
  public:
   /// `params`: leaf tensors on one device, each listed once (memsave::unique_parameters); those offloaded
-  /// (min_offload_size) float32, float16 or bfloat16 with memory of their own (not expanded).
+  /// (min_offload_size) float32, float16 or bfloat16 with memory of their own (not expanded). A parameter
+  /// that does not require grad when the optimizer is built (a frozen layer of a fine-tune) is not offloaded:
+  /// it takes no host memory and stays with the small tensors, whose on-device AdamW makes state only for a
+  /// parameter that gets a gradient (one unfrozen later is stepped there, its moments on the device).
   explicit OffloadOptimizer(std::vector<torch::Tensor> params, OffloadOptimizerOptions options = {});
   /// Parameter groups, as LibTorch's optimizers take them (no weight decay for biases and norms, say): a
   /// group without options gets `defaults`; each group's lr, betas, eps and weight_decay are its own, while
@@ -101,7 +104,8 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   /// Loads what `save` wrote: master weights, state and the hyper-parameters (lr, betas, eps, weight_decay;
   /// the other options stay this optimizer's). State saved with other `state_bits` is converted to this
   /// optimizer's as memsave::optim::copy_state converts (a run resumed with less memory, or back to fp32
-  /// state). A file for other parameters is an error that changes nothing.
+  /// state). A file for other parameters, or one that offloaded others (other layers frozen when it was
+  /// built), is an error that changes nothing.
   void load(torch::serialize::InputArchive& archive) override;
 
   /// Copies the parameters into the fp32 master weights, for parameters set outside the optimizer (weights
@@ -143,6 +147,7 @@ class OffloadOptimizer : public torch::optim::Optimizer, public StateTensors {
   struct Offloaded {
     torch::Tensor param;   ///< on the device
     size_t group = 0;      ///< its parameter group
+    int64_t index = 0;     ///< its place among the parameters of all groups
     torch::Tensor master;  ///< fp32, host arena; the inner optimizer's parameter
     torch::Tensor grad;    ///< fp32, host arena: the gradient the master is stepped with
     /// A CUDA parameter that is not fp32: a host arena buffer of its dtype, which the gradient is copied into
