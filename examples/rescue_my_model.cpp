@@ -107,11 +107,12 @@ int main(int argc, char** argv) {
     for (const memsave::Candidate& c : plan.candidates) {
       if (c.status == memsave::Candidate::Status::kNotNeeded) continue;
       const bool fits = c.status == memsave::Candidate::Status::kFits;
-      std::printf(
-          "  %-50s predicted %10s  %s\n", c.recipe.label().c_str(),
-          memsave::format_bytes(c.predicted).c_str(),
-          fits ? ("fits, peak " + memsave::format_bytes(c.measured.peak)).c_str()
-               : (c.status == memsave::Candidate::Status::kOutOfMemory ? "out of memory" : "cannot fit"));
+      std::printf("  %-50s predicted %10s  %s\n", c.recipe.label().c_str(),
+                  memsave::format_bytes(c.predicted).c_str(),
+                  fits ? ("fits, peak " + memsave::format_bytes(c.measured.peak)).c_str()
+                  : c.status == memsave::Candidate::Status::kOutOfMemory ? "out of memory"
+                  : c.status == memsave::Candidate::Status::kFailed      ? ("failed: " + c.error).c_str()
+                                                                         : "cannot fit");
     }
     if (!plan.recommended) {
       std::printf("nothing fits in %s\n", budget.c_str());

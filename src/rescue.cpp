@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -216,16 +217,19 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   for (const auto& p : net.module()->parameters()) {
     if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
     params.push_back(p);
-    model.param_numel_.push_back(p.numel());
     model.param_bytes_ += bytes_of(p);
   }
   const size_t n = net.elements();
   model.may_begin_ = net.sequential ? nn::piece_may_begin(net.sequential) : std::vector<bool>{true};
   const SetupBatch large_batch = batch_of(setup, model.rows_, device);
   model.batch_bytes_per_row_ = large_batch.bytes() / model.rows_;
-  // Two sizes, to tell what grows with the rows from what does not (autocast's casted weights, say).
-  const int64_t small_rows = std::max<int64_t>(1, model.rows_ / 2);
-  const SetupBatch small_batch = batch_of(setup, small_rows, device);
+  // The profile's sizes: its rows, then halved (rounding up) down to one row, the micro-batches of the
+  // checklist. What grows with the rows need not be linear in them (a library's kernels choose another
+  // algorithm, with another workspace, past some rows), so each figure is measured at each size.
+  for (int64_t rows = model.rows_;; rows = (rows + 1) / 2) {
+    model.sizes_.push_back(rows);
+    if (rows == 1) break;
+  }
   auto optimizer = setup.optimizer(params, Recipe());
 
   // One training pass run element by element. What each element's forward leaves in the pool is what the
@@ -311,6 +315,7 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
                                                 c10::intrusive_ptr<c10::StorageImpl>()));
         held[i + 1] = held[i] + pass.stored[i];
         in_use = now;
+        if (model.needs_grad_.size() == i) model.needs_grad_.push_back(x.requires_grad());
         if (x.requires_grad()) {
           x.register_hook([&, i](const torch::Tensor&) { close(i); });
         }
@@ -322,14 +327,14 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     close(SIZE_MAX);
     return pass;
   };
-  // y = fixed + per_row * rows through the two sizes.
-  const double rows = static_cast<double>(model.rows_);
-  auto fit = [&](double at_rows, double at_small, double& per_row, double& fixed) {
-    per_row = small_rows == model.rows_ ? at_rows / rows : (at_rows - at_small) / (rows - small_rows);
-    fixed = at_rows - per_row * rows;
-  };
-
   run_pass(false, large_batch);
+  // The parameters the backward reached: only they get gradients and optimizer state. A frozen one
+  // (requires_grad false) or one the forward never uses gets neither.
+  for (const auto& p : params) {
+    if (!p.grad().defined()) continue;
+    model.trained_numel_.push_back(p.numel());
+    model.grad_bytes_ += bytes_of(p.grad());
+  }
   optimizer->step();  // creates the state
   {                   // the first and the last element that use a parameter of each element
     std::unordered_map<const c10::TensorImpl*, std::pair<size_t, size_t>> span;
@@ -370,25 +375,47 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
     if (variant == 2) switch_blocks(true);
     Activations& a =
         variant < 2 ? (amp ? model.amp_ : model.fp32_) : (amp ? model.amp_blocks_ : model.fp32_blocks_);
-    const Pass large = run_pass(amp, large_batch);
-    const Pass small = run_pass(amp, small_batch);
-    // Once more onto the gradients it left: what a later micro-batch's gradients add while they arrive.
-    const Pass accumulated = run_pass(amp, small_batch, /*accumulate=*/true);
-    for (auto* v : {&a.stored, &a.stored_fixed, &a.freed, &a.freed_fixed, &a.carried, &a.carried_fixed,
-                    &a.output, &a.forward, &a.forward_fixed, &a.backward, &a.backward_fixed, &a.incoming})
-      v->resize(n);
-    a.grads = large.grads;
-    a.output_kept = large.output_kept;
-    for (size_t i = 0; i < n; ++i) {
-      fit(large.stored[i], small.stored[i], a.stored[i], a.stored_fixed[i]);
-      fit(large.freed[i], small.freed[i], a.freed[i], a.freed_fixed[i]);
-      fit(large.carried[i], small.carried[i], a.carried[i], a.carried_fixed[i]);
-      fit(large.forward[i], small.forward[i], a.forward[i], a.forward_fixed[i]);
-      fit(large.backward[i], small.backward[i], a.backward[i], a.backward_fixed[i]);
-      a.output[i] = large.output[i] / rows;
-      a.incoming[i] = std::max(0.0, accumulated.backward[i] - small.backward[i]);
+    std::vector<Pass> passes{run_pass(amp, large_batch)};
+    Pass accumulated;
+    for (size_t k = 1; k < model.sizes_.size(); ++k) {
+      try {
+        passes.push_back(run_pass(amp, batch_of(setup, model.sizes_[k], device)));
+      } catch (const c10::OutOfMemoryError&) {
+        throw;
+      } catch (const c10::Error&) {
+        // A model that cannot take so few rows (BatchNorm1d in train mode, one row): the sizes end before.
+        // The first two sizes are the least a profile runs on, and every variant runs the first's.
+        if (k == 1 || variant > 0) throw;
+        model.sizes_.resize(k);
+        break;
+      }
+      if (k == 1)  // once more onto the gradients it left: what a later micro-batch's gradients add
+        accumulated = run_pass(amp, batch_of(setup, model.sizes_[k], device), /*accumulate=*/true);
     }
-    fit(large.loss, small.loss, a.loss, a.loss_fixed);
+    if (model.sizes_.size() == 1) accumulated = run_pass(amp, large_batch, /*accumulate=*/true);
+    const Pass& second = passes[std::min<size_t>(1, passes.size() - 1)];
+    const size_t sizes = model.sizes_.size();
+    for (auto* v : {&a.stored, &a.freed, &a.carried, &a.forward, &a.backward})
+      v->assign(n, std::vector<double>(sizes));
+    a.loss.assign(sizes, 0);
+    a.output.resize(n);
+    a.incoming.resize(n);
+    a.grads = passes[0].grads;
+    a.output_kept = passes[0].output_kept;
+    for (size_t k = 0; k < sizes; ++k) {
+      for (size_t i = 0; i < n; ++i) {
+        a.stored[i][k] = passes[k].stored[i];
+        a.freed[i][k] = passes[k].freed[i];
+        a.carried[i][k] = passes[k].carried[i];
+        a.forward[i][k] = passes[k].forward[i];
+        a.backward[i][k] = passes[k].backward[i];
+      }
+      a.loss[k] = passes[k].loss;
+    }
+    for (size_t i = 0; i < n; ++i) {
+      a.output[i] = passes[0].output[i] / static_cast<double>(model.rows_);
+      a.incoming[i] = std::max(0.0, accumulated.backward[i] - second.backward[i]);
+    }
   }
   {  // the optimizer step's temporaries beyond its state
     const int64_t before_step = memory_stats(device).current;
@@ -400,7 +427,8 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
   optimizer->zero_grad();
   int64_t state = 0;
   for (const auto& t : optimizer_state_tensors(*optimizer)) state += bytes_of(t);
-  model.moments_ = static_cast<int64_t>(std::llround(static_cast<double>(state) / model.param_bytes_));
+  if (model.grad_bytes_ > 0)
+    model.moments_ = static_cast<int64_t>(std::llround(static_cast<double>(state) / model.grad_bytes_));
   return model;
 }
 
@@ -415,7 +443,7 @@ int64_t MemoryModel::optimizer_state(const Recipe& recipe) const {
   const optim::AdamW8bitOptions eight;
   const optim::AdamW4bitOptions four;
   int64_t bytes = 0;
-  for (int64_t n : param_numel_) {
+  for (int64_t n : trained_numel_) {
     if (recipe.state_bits() == 8 && n >= eight.min_8bit_size())
       bytes += quantized(n, 8, eight.block_size());
     else if (recipe.state_bits() == 4 && n >= four.min_4bit_size())
@@ -427,20 +455,24 @@ int64_t MemoryModel::optimizer_state(const Recipe& recipe) const {
 }
 
 int64_t MemoryModel::static_bytes(const Recipe& recipe) const {
-  return 2 * param_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_;
+  return param_bytes_ + grad_bytes_ + optimizer_state(recipe) + batch_bytes_per_row_ * batch_;
 }
 
 double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double rows,
                               bool accumulating) const {
-  const auto plan = pieces(
+  auto plan = pieces(
       recipe.checkpoint().kind == Checkpointing::Kind::kPolicy ? Checkpointing::none() : recipe.checkpoint(),
       a.stored.size(), may_begin_);
-  auto stored = [&](size_t i) { return a.stored_fixed[i] + a.stored[i] * rows; };
-  auto freed = [&](size_t i) { return a.freed_fixed[i] + a.freed[i] * rows; };
-  auto forward = [&](size_t i) { return a.forward_fixed[i] + a.forward[i] * rows; };
-  auto backward = [&](size_t i) { return a.backward_fixed[i] + a.backward[i] * rows; };
+  // A piece whose output needs no gradient (frozen elements at the start) keeps no graph to recompute: the
+  // checkpoint runs it as it is.
+  for (auto& piece : plan)
+    if (!needs_grad_[piece.end - 1]) piece.recompute = false;
+  auto stored = [&](size_t i) { return at(a.stored[i], rows); };
+  auto freed = [&](size_t i) { return at(a.freed[i], rows); };
+  auto forward = [&](size_t i) { return at(a.forward[i], rows); };
+  auto backward = [&](size_t i) { return at(a.backward[i], rows); };
   auto output = [&](size_t i) { return a.output[i] * rows; };
-  auto carried = [&](size_t i) { return a.carried_fixed[i] + a.carried[i] * rows; };
+  auto carried = [&](size_t i) { return at(a.carried[i], rows); };
   // A recomputed piece adds its parameters' gradients to the existing ones as they arrive, as the backward
   // without checkpointing does, where no element outside it uses them; otherwise it hands them back together
   // at its end.
@@ -454,7 +486,7 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
   // ones: all of them, and beside them the gradients arriving to be added: what the profile measured for
   // the element, or in a recomputed piece that hands them back those of its elements from i on, which it
   // holds until its end.
-  const double all_grads = static_cast<double>(param_bytes_);
+  const double all_grads = static_cast<double>(grad_bytes_);
   auto grads_in = [&](size_t i, const nn::CheckpointSequentialImpl::Segment& piece) {
     if (!accumulating) return a.grads[i];
     if (piece.recompute && hands_back(piece)) return all_grads + a.grads[i] - a.grads[piece.end];
@@ -524,7 +556,16 @@ double MemoryModel::pass_peak(const Activations& a, const Recipe& recipe, double
     kept_before += piece.recompute ? input(p) : inside;
   }
   const double loss_grads = accumulating ? all_grads : 0.0;
-  return std::max(peak, kept_before + a.loss_fixed + a.loss * rows + loss_grads);
+  return std::max(peak, kept_before + at(a.loss, rows) + loss_grads);
+}
+
+double MemoryModel::at(const std::vector<double>& samples, double rows) const {
+  if (sizes_.size() == 1) return samples[0] * rows / static_cast<double>(sizes_[0]);
+  // The two sizes around the rows (sizes_ go down), or the nearest two.
+  size_t k = 0;
+  while (k + 2 < sizes_.size() && rows < static_cast<double>(sizes_[k + 1])) ++k;
+  const double low = static_cast<double>(sizes_[k + 1]), high = static_cast<double>(sizes_[k]);
+  return samples[k + 1] + (samples[k] - samples[k + 1]) * (rows - low) / (high - low);
 }
 
 int64_t MemoryModel::predict(const Recipe& recipe) const {
@@ -685,6 +726,10 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
 
   const std::vector<Recipe> recipes =
       checklist(options.batch(), model.elements(), amp, setup.optimizer, model.checkpoint_blocks());
+  TORCH_CHECK(!recipes.empty(),
+              "rescue: the optimizer factory builds the optimizer of no level of the checklist (fp32, 8-bit, "
+              "4-bit or offloaded state): called with each level's recipe on one probe tensor of one "
+              "element (memsave::builds_state), it failed or built other state");
   for (const Recipe& r : recipes) {
     Candidate c;
     c.recipe = r;
@@ -695,6 +740,8 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
   // Within a level the micro-batches go from large to small, and a level with more checkpointing comes after
   // the one with less: a candidate that only adds steps or recomputation to one that fits is not run.
   std::vector<const Recipe*> fitted;
+  std::exception_ptr first_error;
+  bool ran = false;  // a candidate ran to its end or out of memory
   for (size_t i = 0; i < plan.candidates.size(); ++i) {
     Candidate& c = plan.candidates[i];
     const bool dominated = std::any_of(fitted.begin(), fitted.end(), [&](const Recipe* f) {
@@ -705,13 +752,24 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
     } else if (dominated) {
       c.status = Candidate::Status::kNotNeeded;
     } else {
-      c.measured =
-          measure(setup, c.recipe, options.batch(), options.device(), options.steps(), options.budget());
-      c.status = c.measured.out_of_memory ? Candidate::Status::kOutOfMemory : Candidate::Status::kFits;
-      if (c.status == Candidate::Status::kFits) fitted.push_back(&c.recipe);
+      try {
+        c.measured =
+            measure(setup, c.recipe, options.batch(), options.device(), options.steps(), options.budget());
+        c.status = c.measured.out_of_memory ? Candidate::Status::kOutOfMemory : Candidate::Status::kFits;
+        if (c.status == Candidate::Status::kFits) fitted.push_back(&c.recipe);
+        ran = true;
+      } catch (const c10::Error& e) {
+        // A recipe the model cannot run (a BatchNorm1d in train mode on a micro-batch of one row): its error
+        // is the candidate's, and the walk goes on.
+        c.status = Candidate::Status::kFailed;
+        c.error = e.what_without_backtrace();
+        if (!first_error) first_error = std::current_exception();
+      }
     }
     if (options.progress()) options.progress()(i + 1, plan.candidates.size());
   }
+  // A model that runs under no recipe: the first error, as a run of it would throw.
+  if (first_error && !ran) std::rethrow_exception(first_error);
 
   plan.fastest = fastest(plan.candidates);
   plan.recommended = recommend(plan.candidates, options.tie());
@@ -725,7 +783,9 @@ RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options) {
       c.relative_throughput = reference / c.measured.seconds;
   if (!plan.recommended) {
     for (size_t i = 0; i < plan.candidates.size(); ++i)
-      if (!plan.closest_miss || plan.candidates[i].predicted < plan.candidates[*plan.closest_miss].predicted)
+      if (plan.candidates[i].status != Candidate::Status::kFailed &&
+          (!plan.closest_miss ||
+           plan.candidates[i].predicted < plan.candidates[*plan.closest_miss].predicted))
         plan.closest_miss = i;
   }
   return plan;

@@ -34,6 +34,8 @@ std::string status_text(const Candidate& c) {
       return "cannot fit (static bytes)";  // parameters, gradients, state and batch alone
     case Candidate::Status::kNotNeeded:
       return "not run (adds only work)";
+    case Candidate::Status::kFailed:
+      return "failed (error below)";
   }
   return "?";
 }
@@ -157,6 +159,19 @@ std::string format_rescue(const RescuePlan& plan, const RescueOptions& options, 
     out << "(" << not_needed
         << " candidates were not run: each only adds steps (a smaller micro-batch) or recomputation (more "
            "checkpointing) to one that fits)\n";
+  // Each error once, after the candidates that failed with it.
+  std::vector<std::pair<std::string, std::vector<std::string>>> errors;
+  for (const Candidate& c : plan.candidates) {
+    if (c.status != Candidate::Status::kFailed) continue;
+    auto same = std::find_if(errors.begin(), errors.end(), [&](const auto& e) { return e.first == c.error; });
+    if (same == errors.end()) same = errors.insert(errors.end(), {c.error, {}});
+    same->second.push_back(c.recipe.label());
+  }
+  for (const auto& [error, labels] : errors) {
+    out << "failed:";
+    for (size_t k = 0; k < labels.size(); ++k) out << (k == 0 ? " " : ", ") << labels[k];
+    out << "\n  " << error << "\n";
+  }
   out << "\n";
   if (plan.recommended) {
     const Candidate& c = plan.candidates[*plan.recommended];
@@ -203,6 +218,7 @@ std::string rescue_json(const RescuePlan& plan, const RescueOptions& options, co
                           {"predicted", c.predicted},   {"static_bytes", c.static_bytes},
                           {"status", status_text(c)},   {"fits", c.status == Candidate::Status::kFits}};
     if (ran(c)) row["peak"] = c.measured.peak;
+    if (c.status == Candidate::Status::kFailed) row["error"] = c.error;
     if (c.status == Candidate::Status::kFits) {
       row["seconds"] = c.measured.seconds;
       row["spread"] = c.measured.spread;

@@ -93,12 +93,13 @@ Measurement measure(const TrainingSetup& setup, const Recipe& recipe, int64_t ba
                     int steps, std::optional<int64_t> budget = std::nullopt);
 
 /// Predicts the peak of a recipe from one profile of the model: the bytes of parameters, gradients, optimizer
-/// state (by optimizer and bits) and batch, and from training passes run element by element (fp32 and under
-/// autocast, at two sizes of the batch, or of half of it and so on when the device cannot hold that; on the
-/// CPU the device holds `simulated_device_room()`) each element's stored activations, forward peak, backward
-/// peak and, onto existing gradients, what its arriving gradients add; and the optimizer step's temporaries.
-/// A recipe's pass is simulated by walking the backward through its checkpoint plan, bytes scaled to the
-/// micro-batch's rows.
+/// state (by optimizer and bits) of the parameters that get gradients, and batch; and from training passes
+/// run element by element (fp32 and under autocast, at the batch and at each micro-batch size of the
+/// checklist, halving down to one row; from half of the batch and so on when the device cannot hold it, on
+/// the CPU `simulated_device_room()`) each element's stored activations, forward peak, backward peak and,
+/// onto existing gradients, what its arriving gradients add; and the optimizer step's temporaries. A recipe's
+/// pass is simulated by walking the backward through its checkpoint plan with the figures measured at its
+/// micro-batch's rows (at other rows, on the line through the two sizes around them).
 class MemoryModel {
  public:
   /// `amp`: the autocast dtype of the mixed-precision passes, the one a recipe with mixed precision must ask
@@ -108,8 +109,8 @@ class MemoryModel {
 
   /// A recipe's peak; an error for a recipe whose mixed precision is not the profile's dtype.
   int64_t predict(const Recipe& recipe) const;
-  /// What a recipe holds whatever its activations: parameters, gradients, optimizer state and the batch. A
-  /// budget below it cannot be met.
+  /// What a recipe holds whatever its activations: parameters, the gradients and optimizer state of those the
+  /// backward reaches (not a frozen or unused one), and the batch. A budget below it cannot be met.
   int64_t static_bytes(const Recipe& recipe) const;
   int64_t batch() const { return batch_; }
   int64_t parameter_bytes() const { return param_bytes_; }
@@ -119,26 +120,27 @@ class MemoryModel {
   size_t checkpoint_blocks() const { return blocks_; }
 
  private:
-  /// Bytes as fixed + per_row * rows, fitted per element through the profile's two sizes.
+  /// Bytes per element, each measured at each of the profile's sizes (`sizes_`); at other rows, read on the
+  /// line through the two sizes around them (`at`).
   struct Activations {
-    std::vector<double> stored, stored_fixed;  ///< what an element's forward leaves behind
+    std::vector<std::vector<double>> stored;  ///< what an element's forward leaves behind
     /// what of its input an element's forward lets go of (what its graph does not keep)
-    std::vector<double> freed, freed_fixed;
+    std::vector<std::vector<double>> freed;
     /// what the backward of the elements after it leaves when an element's backward begins, beyond their
     /// graphs and the parameter gradients (the gradient of its output, a shared weight's pending gradient)
-    std::vector<double> carried, carried_fixed;
-    std::vector<double> output;                  ///< its output, per row
-    std::vector<double> forward, forward_fixed;  ///< its forward's peak beyond what it leaves behind
+    std::vector<std::vector<double>> carried;
+    std::vector<double> output;                ///< its output, per row
+    std::vector<std::vector<double>> forward;  ///< its forward's peak beyond what it leaves behind
     /// the peak of an element's backward beyond what the elements before it keep (its own graph, the
     /// gradient arriving, the one it hands on, temporaries; parameter gradients are counted apart)
-    std::vector<double> backward, backward_fixed;
+    std::vector<std::vector<double>> backward;
     /// with the gradients already there (a later micro-batch): what an element's backward adds beside them
     std::vector<double> incoming;
     /// bytes of parameter gradients present once element i's backward has run (i = elements: none)
     std::vector<double> grads;
     /// whether an element's output is still there when its backward begins (its own graph keeps it)
     std::vector<bool> output_kept;
-    double loss = 0, loss_fixed = 0;  ///< the same for the loss's backward, beyond every element's graph
+    std::vector<double> loss;  ///< the same for the loss's backward, beyond every element's graph
   };
   static MemoryModel profile_rows(const TrainingSetup& setup, int64_t batch, int64_t rows, c10::Device device,
                                   c10::ScalarType amp);
@@ -146,12 +148,19 @@ class MemoryModel {
   /// The peak of a forward and backward pass beyond parameters, optimizer state and batch: activations
   /// and parameter gradients, as the backward walks the checkpoint plan.
   double pass_peak(const Activations& a, const Recipe& recipe, double rows, bool accumulating) const;
+  /// A figure measured at each size, at `rows`.
+  double at(const std::vector<double>& samples, double rows) const;
 
   int64_t batch_ = 0;
   int64_t rows_ = 0;  ///< rows of the profile
+  /// the sizes its passes ran at: rows_, then halved (rounding up) down to one row, or to the fewest the
+  /// model takes
+  std::vector<int64_t> sizes_;
   c10::ScalarType amp_dtype_ = c10::kBFloat16;
-  std::vector<int64_t> param_numel_;
   int64_t param_bytes_ = 0;
+  /// the parameters that get gradients (and optimizer state): elements of each, and their gradients' bytes
+  std::vector<int64_t> trained_numel_;
+  int64_t grad_bytes_ = 0;
   int64_t batch_bytes_per_row_ = 0;
   Activations fp32_, amp_;
   Activations fp32_blocks_, amp_blocks_;  ///< a model of any shape with its checkpointed blocks on
@@ -162,8 +171,9 @@ class MemoryModel {
   /// per element: the first and the last element that use one of its parameters (itself, for a parameter of
   /// its own or none)
   std::vector<size_t> shares_from_, shares_to_;
-  int64_t moments_ = 2;          ///< fp32 state tensors per parameter of the setup's optimizer
-  std::vector<bool> may_begin_;  ///< per element: whether a checkpointed piece may begin there
+  int64_t moments_ = 2;           ///< fp32 state tensors per trained parameter of the setup's optimizer
+  std::vector<bool> may_begin_;   ///< per element: whether a checkpointed piece may begin there
+  std::vector<bool> needs_grad_;  ///< per element: whether its output needs a gradient (not a frozen one's)
 };
 
 struct RescueOptions {
@@ -195,12 +205,16 @@ struct Candidate {
     kOutOfMemory,
     kCannotFit,  ///< not run: its static bytes exceed the budget
     kNotNeeded,  ///< not run: a recipe it only adds work to already fits (adds_only_work)
+    kFailed,     ///< its run ended in an error other than out of memory (`error`)
   };
   Recipe recipe;
   int64_t predicted = 0;
   int64_t static_bytes = 0;
   Status status = Status::kCannotFit;
   Measurement measured;
+  /// Why its run failed (kFailed): LibTorch's or the Trainer's message, such as a BatchNorm1d's in train mode
+  /// on a micro-batch of one row.
+  std::string error;
   /// Step time of the reference (the baseline, or when it does not fit the fastest candidate that does)
   /// divided by this one's: throughput relative to it.
   double relative_throughput = 0;
@@ -256,6 +270,10 @@ std::optional<size_t> recommend(const std::vector<Candidate>& candidates, double
 /// fits.
 double timing_noise(const std::vector<Candidate>& candidates);
 
+/// Profiles the model, then walks the checklist: a candidate whose static bytes exceed the budget is not run
+/// (kCannotFit), nor one that only adds work to one that fits (kNotNeeded); the others are measured under the
+/// budget. One whose run fails with an error other than out of memory is kFailed, with the error, and the
+/// walk goes on; when no candidate runs (each fails), the first error is thrown.
 RescuePlan rescue(const TrainingSetup& setup, const RescueOptions& options);
 
 }  // namespace memsave
