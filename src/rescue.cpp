@@ -383,9 +383,10 @@ MemoryModel MemoryModel::profile_rows(const TrainingSetup& setup, int64_t batch,
       } catch (const c10::OutOfMemoryError&) {
         throw;
       } catch (const c10::Error&) {
-        // A model that cannot take so few rows (BatchNorm1d in train mode, one row): the sizes end before.
-        // The first two sizes are the least a profile runs on, and every variant runs the first's.
-        if (k == 1 || variant > 0) throw;
+        // A model that cannot take so few rows (BatchNorm1d in train mode, one row): the sizes end before,
+        // at the batch itself when it cannot take half of it (its figures then read proportionally to the
+        // rows). Every variant runs the first's sizes.
+        if (variant > 0) throw;
         model.sizes_.resize(k);
         break;
       }

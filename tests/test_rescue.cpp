@@ -555,6 +555,21 @@ TEST(Rescue, ACandidateTheModelCannotRunFailsWithItsErrorAndTheWalkGoesOn) {
   ASSERT_TRUE(plan.recommended.has_value());
   EXPECT_LE(plan.candidates[*plan.recommended].measured.peak, two.peak - 1);
 
+  // At a batch of two, half of it is already the one row the model cannot take: the profile reads its
+  // figures from the whole batch, the micro-batches of one row fail as above, and the rescue finds what fits.
+  const Measurement pair = measure(setup, Recipe(), 2, torch::kCPU, 2);
+  ASSERT_FALSE(pair.out_of_memory);
+  const RescuePlan at_two = rescue(setup, RescueOptions(2, pair.peak - 1).steps(2));
+  failed = 0;
+  for (const Candidate& c : at_two.candidates) {
+    if (c.status != Candidate::Status::kFailed) continue;
+    ++failed;
+    EXPECT_EQ(c.recipe.micro_batch(), 1) << c.recipe.label();
+  }
+  EXPECT_GT(failed, 0);
+  ASSERT_TRUE(at_two.recommended.has_value());
+  EXPECT_LE(at_two.candidates[*at_two.recommended].measured.peak, pair.peak - 1);
+
   // A setup that runs under no recipe (its targets one row short, which the Trainer refuses and the
   // profile's loss, ignoring them, does not see): the first error, as a run of it would throw.
   TrainingSetup short_targets = setup;
